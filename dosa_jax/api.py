@@ -1,0 +1,113 @@
+"""Public API (SPEC §12): ``topk``, ``dense_topk``, ``score``, ``exact_topk``.
+
+Backends are chosen by name in one place (:func:`resolve_backend`):
+``"reference"`` is the pure-jnp pipeline; ``"pallas"`` runs the Pallas kernels
+(``pallas_kernels``; interpret mode without a GPU); ``"auto"`` picks pallas on
+a GPU and the reference elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from dosa_jax.config import Config
+from dosa_jax.dense import dense_topk_reference, score_matrix
+from dosa_jax.inputs import check_inputs
+from dosa_jax.pipeline import Stats, dosa_topk_reference
+from dosa_jax.selection import exact_topk  # noqa: F401  (re-exported)
+
+
+class TopKResult(NamedTuple):
+    """indices int32 [T, K] (score desc, index asc; −1 pads), scores float32 [T, K]
+    (the original scorer's values; −inf pads), stats (per-query, see ``Stats``)."""
+
+    indices: jax.Array
+    scores: jax.Array
+    stats: object
+
+
+def _config_with_top_k(config: Optional[Config], top_k) -> Config:
+    if config is None:
+        config = Config()
+    if not isinstance(config, Config):
+        raise TypeError(f"config must be a dosa_jax.Config, got {type(config).__name__}")
+    if top_k is not None:
+        if isinstance(top_k, jax.core.Tracer):
+            raise TypeError("top_k must be a static Python int; under jax.jit pass "
+                            "config=dosa_jax.Config(top_k=...) instead")
+        if isinstance(top_k, bool) or not isinstance(top_k, (int,)) and not (
+                hasattr(top_k, "__index__")):
+            raise TypeError(f"top_k must be an int, got {top_k!r}")
+        top_k = int(top_k)
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        if top_k != config.top_k:
+            config = config.replace(top_k=top_k)
+    return config
+
+
+def resolve_backend(config: Config) -> str:
+    """``"reference"`` or ``"pallas"`` for this config on this machine."""
+    if config.backend == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "reference"
+    return config.backend
+
+
+def _pallas():
+    try:
+        import pallas_kernels.pipeline as pk  # noqa: WPS433
+    except ImportError as e:  # pragma: no cover - exercised only without the package
+        raise NotImplementedError(f"backend='pallas' needs pallas_kernels: {e}") from e
+    return pk
+
+
+def topk(q, k, w, top_k=None, k_scale=None, lo=None, hi=None, config: Optional[Config] = None
+         ) -> TopKResult:
+    """Exact indexer Top-K with DoSA screening.
+
+    Args:
+      q: [T, H, D] queries (float32/bfloat16/float16/float8_e4m3fn).
+      k: [N, D] keys (same choices); FP8 keys need ``k_scale``.
+      w: [T, H] float32 signed head weights.
+      top_k: static K (overrides ``config.top_k``); under ``jax.jit`` put K in the config.
+      k_scale: [N] float32 per-key scale α_i (scores are α_i · Σ_h w_h relu(q_h·k̄_i)).
+      lo, hi: [T] int32 visible range [lo_t, hi_t) (default: all keys); clipped to [0, N].
+      config: :class:`Config` (static).
+    Returns:
+      TopKResult. ``indices`` equal ``dense_topk(...).indices`` bitwise.
+    """
+    config = _config_with_top_k(config, top_k)
+    q, k, w, k_scale, lo, hi = check_inputs(q, k, w, k_scale, lo, hi)
+    if resolve_backend(config) == "pallas":
+        idx, sc, stats = _pallas().dosa_topk(q, k, w, k_scale, lo, hi, config)
+    else:
+        idx, sc, stats = dosa_topk_reference(q, k, w, k_scale, lo, hi, config)
+    return TopKResult(idx, sc, stats)
+
+
+def dense_topk(q, k, w, top_k=None, k_scale=None, lo=None, hi=None,
+               config: Optional[Config] = None) -> TopKResult:
+    """Exact Top-K by scoring every visible key (the baseline). Same arguments as :func:`topk`.
+
+    ``stats`` holds ``visible`` only.
+    """
+    config = _config_with_top_k(config, top_k)
+    q, k, w, k_scale, lo, hi = check_inputs(q, k, w, k_scale, lo, hi)
+    if resolve_backend(config) == "pallas":
+        idx, sc = _pallas().dense_topk(q, k, w, k_scale, lo, hi, config)
+    else:
+        idx, sc = dense_topk_reference(q, k, w, k_scale, lo, hi, config)
+    return TopKResult(idx, sc, {"visible": hi - lo})
+
+
+def score(q, k, w, k_scale=None, lo=None, hi=None, config: Optional[Config] = None):
+    """[T, N] original scores s_i = α_i Σ_h w_h relu(q_h·k̄_i) (Eq. 1), canonical scorer.
+
+    Keys outside ``[lo, hi)`` (when given) are −inf.
+    """
+    config = config or Config()
+    q, k, w, k_scale, lo, hi = check_inputs(q, k, w, k_scale, lo, hi)
+    return score_matrix(q, k, w, k_scale, lo, hi, config.key_block, config.query_tile)

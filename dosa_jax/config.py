@@ -1,0 +1,144 @@
+"""``Config``: every knob of the pipeline, frozen, hashable and static.
+
+``Config`` is registered as a pytree with *no* array leaves, so the design's
+usage line works with a plain ``jax.jit``::
+
+    jax.jit(dosa_jax.topk)(q, k, w, config=dosa_jax.Config(top_k=2048))
+
+(SPEC §12). Every field is a Python scalar, string or tuple.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Union
+
+import jax
+
+from dosa_jax.bounds.heads import RANKINGS
+from dosa_jax.bounds.negative import SUPPORTS
+from dosa_jax.bounds.positive import RESIDUALS
+
+SEED_STRATEGIES = ("union", "local", "sinks", "strided")
+BACKENDS = ("reference", "pallas", "auto")
+CERTIFICATE_FORMS = ("basic", "absolute")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """DoSA configuration (SPEC §3–§10, §12).
+
+    Attributes:
+      top_k: K, the number of keys to select.
+      retained_heads: budget r (1 ≤ r < H) or ``"auto"`` (per query, from the
+        cost model Eq. 18–21 on the seed sample, among ``budget_candidates``).
+      budget_candidates: candidate budgets for ``"auto"`` (clipped to [1, H−1]);
+        empty means ``(H//8, H//4, 3H//8, H//2)``.
+      seed_strategy: ``union`` (sinks + local window + strided), ``local``,
+        ``sinks`` or ``strided`` (SPEC §3).
+      seed_size: number of seed keys S (≥ top_k); None → 2·top_k.
+      sink_size: sinks in the ``union`` strategy.
+      local_fraction: share of the ``union`` seeds taken from the local window.
+      positive_residual: ``triangle`` (Eq. 6), ``joint`` (Eq. 7), ``grouped``
+        (App. A.1) or ``best`` (the minimum of them).
+      residual_groups: coordinate groups for ``grouped``/``best``.
+      positive_projection: False is the "no positive projection" ablation.
+      negative_support: ``majority`` (p_h ≥ ½), ``all`` or ``none`` (ablations).
+      negative_ranking: ``uncertainty`` or ``strength`` (ablation).
+      certificate_form: ``basic`` (Eq. 9) or ``absolute`` (Eq. 24–25, used for
+        queries whose positive heads are all retained).
+      capacity: candidate buffer per query (keys); None → automatic. A full
+        buffer is flushed by exact merging — never truncated.
+      key_block: keys per block of the scan and of the canonical scorer.
+      query_tile: queries processed together.
+      scorer_unit_roundoff / screen_unit_roundoff: unit roundoff of the
+        accumulation in the scorer's / the screening's dot products, for the
+        numerical enclosure (2^-24: float32).
+      raise_threshold: after each merge of exact scores, raise τ to the current
+        K-th best (a valid lower bound on τ*; prunes more in later rounds).
+      backend: ``reference`` (pure jnp), ``pallas`` or ``auto`` (pallas on GPU).
+    """
+
+    top_k: int = 2048
+    retained_heads: Union[int, str] = "auto"
+    budget_candidates: tuple = ()
+    seed_strategy: str = "union"
+    seed_size: Optional[int] = None
+    sink_size: int = 64
+    local_fraction: float = 0.5
+    positive_residual: str = "best"
+    residual_groups: int = 4
+    positive_projection: bool = True
+    negative_support: str = "majority"
+    negative_ranking: str = "uncertainty"
+    certificate_form: str = "basic"
+    capacity: Optional[int] = None
+    key_block: int = 256
+    query_tile: int = 32
+    scorer_unit_roundoff: float = 2.0 ** -24
+    screen_unit_roundoff: float = 2.0 ** -24
+    raise_threshold: bool = True
+    backend: str = "reference"
+
+    def __post_init__(self):
+        def bad(name, why):
+            raise ValueError(f"Config.{name}: {why}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 1:
+            bad("top_k", "must be an int >= 1")
+        r = self.retained_heads
+        if not (r == "auto" or (isinstance(r, int) and not isinstance(r, bool) and r >= 1)):
+            bad("retained_heads", "must be an int >= 1 or 'auto'")
+        if not isinstance(self.budget_candidates, tuple) or not all(
+                isinstance(c, int) and c >= 1 for c in self.budget_candidates):
+            bad("budget_candidates", "must be a tuple of ints >= 1")
+        if self.seed_strategy not in SEED_STRATEGIES:
+            bad("seed_strategy", f"must be one of {SEED_STRATEGIES}")
+        if self.seed_size is not None and (not isinstance(self.seed_size, int) or self.seed_size < 1):
+            bad("seed_size", "must be None or an int >= 1")
+        if not isinstance(self.sink_size, int) or self.sink_size < 0:
+            bad("sink_size", "must be an int >= 0")
+        if not 0.0 <= self.local_fraction <= 1.0:
+            bad("local_fraction", "must be in [0, 1]")
+        if self.positive_residual not in RESIDUALS:
+            bad("positive_residual", f"must be one of {RESIDUALS}")
+        if not isinstance(self.residual_groups, int) or self.residual_groups < 1:
+            bad("residual_groups", "must be an int >= 1")
+        if self.negative_support not in SUPPORTS:
+            bad("negative_support", f"must be one of {SUPPORTS}")
+        if self.negative_ranking not in RANKINGS:
+            bad("negative_ranking", f"must be one of {RANKINGS}")
+        if self.certificate_form not in CERTIFICATE_FORMS:
+            bad("certificate_form", f"must be one of {CERTIFICATE_FORMS}")
+        if self.capacity is not None and (not isinstance(self.capacity, int) or self.capacity < 1):
+            bad("capacity", "must be None or an int >= 1")
+        for name in ("key_block", "query_tile"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                bad(name, "must be an int >= 1")
+        for name in ("scorer_unit_roundoff", "screen_unit_roundoff"):
+            v = getattr(self, name)
+            if not (isinstance(v, float) and 0.0 < v < 2.0 ** -6):
+                bad(name, "must be a float in (0, 2^-6)")
+        if self.backend not in BACKENDS:
+            bad("backend", f"must be one of {BACKENDS}")
+
+    def replace(self, **changes) -> "Config":
+        return dataclasses.replace(self, **changes)
+
+    # ---- derived static sizes -------------------------------------------------
+    def seeds(self) -> int:
+        """S = max(top_k, seed_size or 2·top_k)."""
+        return max(self.top_k, self.seed_size if self.seed_size is not None else 2 * self.top_k)
+
+    def budgets(self, H: int) -> tuple:
+        """Candidate budgets in [1, H−1] (static)."""
+        if H < 2:
+            return (1,)
+        if isinstance(self.retained_heads, int):
+            return (min(max(self.retained_heads, 1), H - 1),)
+        cands = self.budget_candidates or (H // 8, H // 4, (3 * H) // 8, H // 2)
+        return tuple(sorted({min(max(int(c), 1), H - 1) for c in cands}))
+
+
+jax.tree_util.register_pytree_node(Config, lambda c: ((), c), lambda c, _: c)

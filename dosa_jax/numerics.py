@@ -1,0 +1,88 @@
+"""Floating-point error model used by the numerical enclosure (paper App. C).
+
+Standard model for IEEE float32 round-to-nearest with gradual underflow:
+``fl(a op b) = (a op b)(1 + δ) + η`` with ``|δ| ≤ u = 2^-24`` and ``|η| ≤ 2^-150``
+(η only for multiplications that underflow; additions are exact there).
+A sum or dot product of n terms evaluated in *any* order obeys
+``|fl(Σ x_j) − Σ x_j| ≤ γ_{n} Σ |x_j|`` with ``γ_n = n u / (1 − n u)``.
+
+All helpers return *upper* bounds: they widen results computed with
+round-to-nearest so that the true real value is below them (Eq. 26–28's
+``Eval_up``), using an explicit error bound plus one ``nextafter`` toward +∞.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+#: Unit roundoff of float32 round-to-nearest.
+U32 = 2.0 ** -24
+#: Bound on the absolute error of one underflowing float32 multiplication.
+ETA32 = 2.0 ** -150
+#: Smallest positive normal float32.
+TINY32 = 2.0 ** -126
+
+
+def gamma(n: int, u: float = U32) -> float:
+    """γ_n = n u / (1 − n u): relative error bound of an n-term sum/dot (Higham Thm 3.1)."""
+    if n * u >= 0.5:
+        raise ValueError(f"gamma: n*u = {n * u} too large for a meaningful bound")
+    return n * u / (1.0 - n * u)
+
+
+def round_up(x):
+    """One ulp toward +inf (``nextafter``): turns a round-to-nearest result into an upper bound
+    when the exact value was within half an ulp below it."""
+    return jnp.nextafter(x, jnp.asarray(jnp.inf, x.dtype))
+
+
+def inflate(x, n_ops: int):
+    """Upper bound on the exact value of a *non-negative* quantity computed with n_ops
+    round-to-nearest float32 operations on non-negative terms (relative error ≤ γ_n).
+
+    Returns ``x·(1 + γ_{n+2}) + 2^-148`` rounded up; the extra two γ steps cover the
+    multiplication's own rounding, the constant the underflow of tiny values.
+    """
+    g = jnp.float32(gamma(n_ops + 2))
+    return round_up(x * (1.0 + g) + jnp.float32(2.0 ** -148))
+
+
+def upper_sum(*terms):
+    """Upper bound on the exact sum of float32 terms of any sign.
+
+    s = Σ terms (round-to-nearest, left to right); the error is at most
+    γ_{n-1} Σ|terms| (Higham), itself computed and inflated; result rounded up.
+    """
+    n = len(terms)
+    s = terms[0]
+    a = jnp.abs(terms[0])
+    for t in terms[1:]:
+        s = s + t
+        a = a + jnp.abs(t)
+    g = jnp.float32(gamma(2 * n + 2))
+    return round_up(s + a * g + jnp.float32(2.0 ** -148))
+
+
+def upper_product(a, b):
+    """Upper bound on the exact product a·b (any signs) from one round-to-nearest multiply."""
+    p = a * b
+    return round_up(p + jnp.abs(p) * jnp.float32(2 * U32) + jnp.float32(ETA32 * 2))
+
+
+def norm_upper(x, axis=-1):
+    """Upper bound on the Euclidean norm ‖x‖₂ along ``axis`` (float32 input).
+
+    Σ x_d² carries relative error ≤ γ_{D+1} plus D underflowed squares of at most
+    2^-149 each; sqrt adds one rounding. Non-finite inputs give a non-finite bound
+    (callers treat that as a fault).
+    """
+    x = x.astype(jnp.float32)
+    d = x.shape[axis]
+    ss = jnp.sum(x * x, axis=axis)
+    ss_up = ss * (1.0 + jnp.float32(gamma(d + 3))) + jnp.float32(d * 2.0 ** -148)
+    return round_up(jnp.sqrt(round_up(ss_up)) * (1.0 + jnp.float32(2 * U32)))
+
+
+def sqrt_upper(x):
+    """Upper bound on sqrt of a non-negative upper-bounded value."""
+    return round_up(jnp.sqrt(round_up(jnp.maximum(x, 0.0))) * (1.0 + jnp.float32(2 * U32)))

@@ -1,0 +1,252 @@
+"""The reference DoSA pipeline (paper Algorithm 1, Theorem 1; SPEC §3–§10).
+
+Per tile of queries:
+
+1. **seeds** — score a layout of ≥ K distinct visible keys with the canonical
+   scorer; τ = their K-th score (Eq. 2); the seeds start the running Top-K.
+2. **plan** — activation frequencies, budget, certificate rows and numeric
+   enclosure (``dosa_jax.planner``).
+3. **rounds** — each round scans the key blocks from the query's resume
+   position: screening rejects keys with ``U^num < τ`` (strict); survivors go
+   into a candidate buffer of fixed capacity. When the buffer is full, the
+   first survivor that did not fit becomes the next round's resume position —
+   candidates are never dropped, they wait for the next round. The buffer is
+   then refined (full score, keep ``s ≥ τ``) and merged exactly into the
+   running Top-K (``select_records``, tie order score desc / index asc), after
+   which τ may rise to the running K-th score (still ≤ τ*).
+4. **faults** — a plan with non-finite values, an invalid key scale in the
+   visible range (``α ≤ 0``, NaN, inf) or a non-finite bound met during the scan
+   disables pruning for that query: it is answered by full-domain recovery
+   (τ = −∞, running Top-K reset to the seeds, the scan restarted from ``lo`` so
+   that keys rejected before the fault was seen are scored too). Counted.
+
+Every score comes from ``scorer.score_ids`` on [Tq, key_block] blocks — the
+same routine as the dense path — so ``topk == dense_topk`` bitwise.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from dosa_jax import enclosure as enc
+from dosa_jax import seeds as seeds_mod
+from dosa_jax.bounds.heads import activation_frequencies
+from dosa_jax.planner import build_plan
+from dosa_jax.scorer import score_ids, score_ids_blocked
+from dosa_jax.screen import screening_bound, survives
+from dosa_jax.selection import select_records
+
+
+class Stats(NamedTuple):
+    """Per-query statistics ([T] arrays) returned in ``TopKResult.stats``.
+
+    visible: |Ω|. seeds: seed keys scored. screened: non-seed visible keys
+    (each screened once unless recovered). survivors: keys that passed
+    screening and were fully scored. records: survivors with s ≥ τ. rounds:
+    scan rounds (1 without overflow). overflows: rounds that ended with a full
+    candidate buffer (resolved by exact merging). recoveries: full-domain
+    recoveries after a fault. pruning: whether rejection was enabled at the
+    end. budget: retained heads r. tau_seed: seed threshold τ (−inf when not
+    pruning). tau_final: K-th selected score (τ* when ≥ K eligible keys).
+    """
+
+    visible: jax.Array
+    seeds: jax.Array
+    screened: jax.Array
+    survivors: jax.Array
+    records: jax.Array
+    rounds: jax.Array
+    overflows: jax.Array
+    recoveries: jax.Array
+    pruning: jax.Array
+    budget: jax.Array
+    tau_seed: jax.Array
+    tau_final: jax.Array
+
+
+class KeyData(NamedTuple):
+    """Keys padded to a multiple of the block, with per-key summaries."""
+
+    k: jax.Array          # [Npad, D] payloads (input dtype)
+    scale: object         # [Npad] float32 or None
+    norm_up: jax.Array    # [Npad] n_i ≥ ‖k̄_i‖
+    bad_prefix: jax.Array  # [N + 1] int32 prefix count of invalid scales
+
+
+def round_up_to(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def prepare_keys(k, k_scale, block: int) -> KeyData:
+    """Pad keys to a multiple of ``block`` and compute the key-side summaries once."""
+    N = k.shape[0]
+    npad = max(round_up_to(N, block), block)
+    kp = jnp.pad(k, ((0, npad - N), (0, 0)))
+    norm = enc.key_norm_upper(kp)
+    if k_scale is None:
+        return KeyData(kp, None, norm, jnp.zeros((N + 1,), jnp.int32))
+    sp = jnp.pad(k_scale, (0, npad - N), constant_values=1.0)
+    bad = (~enc.scale_is_valid(k_scale)).astype(jnp.int32)
+    prefix = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(bad, dtype=jnp.int32)])
+    return KeyData(kp, sp, norm, prefix)
+
+
+def capacity(config, N: int) -> int:
+    """Candidate buffer per query: Config.capacity or N/8 (≥ one block, ≤ 65536)."""
+    B = config.key_block
+    cap = config.capacity if config.capacity is not None else min(max(N // 8, 2 * config.top_k), 65536)
+    return max(round_up_to(cap, B), B)
+
+
+def dosa_tile(q, w, lo, hi, keys: KeyData, config, N: int):
+    """Exact Top-K for one tile of queries (q [Tq, H, D]); returns (idx, scores, Stats)."""
+    Tq, H, D = q.shape
+    K, B = config.top_k, config.key_block
+    S_pad = round_up_to(config.seeds(), B)
+    cap = capacity(config, N)
+    npad = keys.k.shape[0]
+    SENT = jnp.int32(npad)
+
+    # 1. seeds
+    layout = seeds_mod.seed_layout(lo, hi, config.seed_strategy, config.seeds(),
+                                   config.sink_size, config.local_fraction)
+    sid, svalid = seeds_mod.seed_ids(layout, S_pad)
+    s_scores, s_dots = score_ids_blocked(q, w, keys.k, keys.scale, sid, B, return_head_dots=True)
+    tau0 = seeds_mod.seed_threshold(s_scores, svalid, K)
+    # 2. plan
+    p = jax.vmap(activation_frequencies)(s_dots, svalid)
+    sample = seeds_mod.strided_mask(layout, S_pad)
+    sample = jnp.where(jnp.any(sample, axis=1, keepdims=True), sample, svalid)
+    s_norm = jnp.take(keys.norm_up, jnp.clip(sid, 0, npad - 1))
+    plan, _, budget = build_plan(q.astype(jnp.float32), w, p, config, sample_dots=s_dots,
+                                 sample_norms=s_norm, sample_valid=sample, tau=tau0)
+    n_vis = hi - lo
+    n_seed = jnp.sum(svalid, axis=1).astype(jnp.int32)
+    bad_scale = (keys.bad_prefix[hi] - keys.bad_prefix[lo]) > 0
+    prune0 = plan.prune & ~bad_scale
+    tau_init = jnp.where(prune0, tau0, -jnp.inf)
+    seed_idx, seed_sc = select_records(s_scores, sid, K, valid=svalid)
+    rows = jnp.arange(Tq)[:, None]
+    zeros = jnp.zeros((Tq,), jnp.int32)
+
+    def scan_round(resume, tau, prune):
+        active = resume < SENT
+        start = jnp.min(jnp.where(active, resume, SENT)) // B
+        b_end = (jnp.max(jnp.where(active, hi, 0)) + B - 1) // B
+        lo_eff = jnp.maximum(lo, resume)[:, None]
+
+        def cond(c):
+            b, _, _, over, _ = c
+            return (b < b_end) & ~jnp.all(~active | (over < SENT))
+
+        def body(c):
+            b, buf, cnt, over, fault = c
+            ids = b * B + jnp.arange(B, dtype=jnp.int32)
+            kb = lax.dynamic_slice_in_dim(keys.k, b * B, B)
+            nb = lax.dynamic_slice_in_dim(keys.norm_up, b * B, B)
+            ab = None if keys.scale is None else lax.dynamic_slice_in_dim(keys.scale, b * B, B)
+            bound = screening_bound(plan, kb, nb, ab)
+            idb = jnp.broadcast_to(ids[None, :], (Tq, B))
+            vis = (active[:, None] & (idb >= lo_eff) & (idb < hi[:, None])
+                   & ~seeds_mod.is_seed(idb, layout))
+            fault = fault | (prune & jnp.any(vis & ~jnp.isfinite(bound), axis=1))
+            surv = vis & survives(bound, tau)
+            pos = cnt[:, None] + jnp.cumsum(surv.astype(jnp.int32), axis=1) - 1
+            store = surv & (pos < cap)
+            buf = buf.at[rows, jnp.where(store, pos, cap)].set(idb, mode="drop")
+            over = jnp.minimum(over, jnp.min(jnp.where(surv & ~store, idb, SENT), axis=1))
+            cnt = cnt + jnp.sum(store, axis=1).astype(jnp.int32)
+            return b + 1, buf, cnt, over, fault
+
+        init = (start, jnp.full((Tq, cap), -1, jnp.int32), zeros,
+                jnp.full((Tq,), SENT, jnp.int32), jnp.zeros((Tq,), bool))
+        _, buf, cnt, over, fault = lax.while_loop(cond, body, init)
+        return buf, cnt, over, fault
+
+    def refine(buf, cnt, tau):
+        n_chunks = (jnp.max(cnt) + B - 1) // B
+
+        def body(c, rec):
+            ids = lax.dynamic_slice_in_dim(buf, c * B, B, axis=1)
+            s = score_ids(q, w, keys.k, keys.scale, ids)
+            return lax.dynamic_update_slice_in_dim(rec, s, c * B, axis=1)
+
+        rec = lax.fori_loop(0, n_chunks, body, jnp.full((Tq, cap), -jnp.inf, jnp.float32))
+        keep = (buf >= 0) & ~(rec < tau[:, None])
+        return rec, keep
+
+    class St(NamedTuple):
+        run_idx: jax.Array
+        run_sc: jax.Array
+        tau: jax.Array
+        resume: jax.Array
+        prune: jax.Array
+        survivors: jax.Array
+        records: jax.Array
+        rounds: jax.Array
+        overflows: jax.Array
+        recoveries: jax.Array
+
+    def round_body(st: St) -> St:
+        active = st.resume < SENT
+        buf, cnt, over, fault = scan_round(st.resume, st.tau, st.prune)
+        rec, keep = refine(buf, cnt, st.tau)
+        run_idx, run_sc = select_records(
+            jnp.concatenate([st.run_sc, rec], axis=1), jnp.concatenate([st.run_idx, buf], axis=1),
+            K, valid=jnp.concatenate([st.run_idx >= 0, keep], axis=1))
+        tau = st.tau
+        if config.raise_threshold:
+            kth_ok = run_idx[:, K - 1] >= 0
+            tau = jnp.where(st.prune & kth_ok, jnp.maximum(tau, run_sc[:, K - 1]), tau)
+        recover = fault & st.prune
+        resume = jnp.where(active, over, SENT)
+        return St(
+            run_idx=jnp.where(recover[:, None], seed_idx, run_idx),
+            run_sc=jnp.where(recover[:, None], seed_sc, run_sc),
+            tau=jnp.where(recover, -jnp.inf, tau),
+            resume=jnp.where(recover, lo, resume),
+            prune=st.prune & ~recover,
+            survivors=st.survivors + cnt,
+            records=st.records + jnp.sum(keep & ~jnp.isnan(rec), axis=1).astype(jnp.int32),
+            rounds=st.rounds + active.astype(jnp.int32),
+            overflows=st.overflows + (active & (over < SENT) & ~recover).astype(jnp.int32),
+            recoveries=st.recoveries + recover.astype(jnp.int32),
+        )
+
+    st0 = St(seed_idx, seed_sc, tau_init, jnp.where(n_vis > n_seed, lo, SENT), prune0,
+             zeros, zeros, zeros, zeros, zeros)
+    st = lax.while_loop(lambda s: jnp.any(s.resume < SENT), round_body, st0)
+    kth = st.run_idx[:, K - 1] >= 0
+    stats = Stats(visible=n_vis, seeds=n_seed, screened=n_vis - n_seed, survivors=st.survivors,
+                  records=st.records, rounds=st.rounds, overflows=st.overflows,
+                  recoveries=st.recoveries, pruning=st.prune, budget=budget,
+                  tau_seed=tau_init, tau_final=jnp.where(kth, st.run_sc[:, K - 1], -jnp.inf))
+    return st.run_idx, st.run_sc, stats
+
+
+def map_query_tiles(fn, q, w, lo, hi, tile: int):
+    """Apply ``fn(q, w, lo, hi)`` over query tiles of size ``tile`` (padding with empty queries)."""
+    T = q.shape[0]
+    tq = max(1, min(tile, T))
+    tpad = round_up_to(T, tq)
+    if tpad != T:
+        q = jnp.pad(q, ((0, tpad - T), (0, 0), (0, 0)))
+        w = jnp.pad(w, ((0, tpad - T), (0, 0)))
+        lo = jnp.pad(lo, (0, tpad - T))
+        hi = jnp.pad(hi, (0, tpad - T))
+    nt = tpad // tq
+    split = lambda x: x.reshape((nt, tq) + x.shape[1:])
+    out = lax.map(lambda a: fn(*a), (split(q), split(w), split(lo), split(hi)))
+    return jax.tree_util.tree_map(lambda x: x.reshape((tpad,) + x.shape[2:])[:T], out)
+
+
+def dosa_topk_reference(q, k, w, k_scale, lo, hi, config):
+    """Reference (pure jnp) DoSA Top-K over validated inputs."""
+    keys = prepare_keys(k, k_scale, config.key_block)
+    N = k.shape[0]
+    return map_query_tiles(lambda a, b, c, d: dosa_tile(a, b, c, d, keys, config, N),
+                           q, w, lo, hi, config.query_tile)

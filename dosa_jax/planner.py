@@ -1,0 +1,149 @@
+"""Query-side planning: from (q, w, seed sample) to a :class:`ScreeningPlan`.
+
+For each query: activation frequencies p_h on the seed sample, the retained
+heads R for a budget r (SPEC §4), positive projection and folded weights
+(Eq. 4–6), the residual allowance (Eq. 6/7/A.1), the negative aggregate with
+its support (Eq. 8), the certificate form (Eq. 9 or 24–25) and the numerical
+enclosure coefficients (App. C). With ``retained_heads="auto"`` the budget is
+chosen per query by the dot-product cost model (Eq. 18–21) evaluated on the
+seed sample (:mod:`dosa_jax.budget`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dosa_jax import enclosure as enc
+from dosa_jax import numerics as nm
+from dosa_jax.bounds import heads, negative, positive
+from dosa_jax.plan import ScreeningPlan
+
+
+class PlanDetails(NamedTuple):
+    """Per-head view of one query's plan, for diagnostics and notebooks ([H] arrays)."""
+
+    retained: jax.Array
+    omitted_pos: jax.Array
+    omitted_neg: jax.Array
+    support: jax.Array
+    anchor: jax.Array
+    beta: jax.Array
+    w_fold: jax.Array
+    support_weight: jax.Array
+    residual: jax.Array      # E (upper bound)
+    activation: jax.Array    # p_h
+
+
+def plan_for_mask(q, w, p, retained, config, R: int, *, fp8_aggregate: bool = False,
+                  row_dtype=None):
+    """Plan of one query for a given retained mask.
+
+    Args:
+      q: [H, D] float32; w: [H] float32; p: [H] activation frequencies;
+      retained: [H] bool; R: static number of plan rows (≥ |retained|).
+      fp8_aggregate: represent a_A by two FP8 rows (App. C) instead of one float32 row.
+      row_dtype: dtype a kernel casts the plan rows to (adds the cast error to C).
+    Returns:
+      (ScreeningPlan fields for one query, PlanDetails).
+    """
+    H, D = q.shape
+    omitted_pos, omitted_neg = heads.omitted_heads(w, retained)
+    anchor, beta, resid = positive.anchor_projection(q, retained, omitted_pos,
+                                                     config.positive_projection)
+    w_fold, fold_abs = positive.folded_weights(w, retained, omitted_pos, anchor, beta)
+    resid_err = positive.residual_error(q, beta, anchor, omitted_pos)
+    groups = config.residual_groups if D % config.residual_groups == 0 else 1
+    E = positive.residual_allowance_upper(w, resid, omitted_pos, resid_err,
+                                          config.positive_residual, groups)
+    E = jnp.where(jnp.any(omitted_pos), E, 0.0)
+    support = negative.negative_support(p, omitted_neg, config.negative_support)
+    a, a_err = negative.negative_aggregate(q, w, support)
+    if fp8_aggregate:
+        agg_rows, _, _, split_err = negative.split_aggregate_fp8(a)
+        a_err = a_err + split_err
+    else:
+        agg_rows = a[None, :]
+    linear = (config.certificate_form == "absolute") & ~jnp.any(omitted_pos)
+
+    idx = jnp.nonzero(retained, size=R, fill_value=H)[0]
+    ok = idx < H
+    idc = jnp.minimum(idx, H - 1)
+    rows = jnp.where(ok[:, None], q[idc], 0.0)
+    row_w = jnp.where(ok, w_fold[idc], 0.0)
+    row_fold_abs = jnp.where(ok, fold_abs[idc], 0.0)
+
+    q_norm_up = nm.norm_upper(q)
+    row_norm_up = jnp.where(ok, q_norm_up[idc], 0.0)
+    agg_norm_up = nm.norm_upper(agg_rows)
+    C = (enc.scorer_error_coefficient(w, q_norm_up, D, config.scorer_unit_roundoff)
+         + enc.screening_error_coefficient(row_w, row_norm_up, agg_norm_up, D,
+                                           config.screen_unit_roundoff)
+         + enc.fold_error_coefficient(row_fold_abs, row_norm_up, H)
+         + a_err)
+    if row_dtype is not None:
+        C = C + jnp.sum(jnp.abs(row_w) * enc.row_cast_error(rows, row_dtype))
+    C = nm.inflate(C, 6)
+    eps = enc.underflow_allowance(w, row_w, agg_rows.shape[0], D, H, R)
+    finite = (jnp.all(jnp.isfinite(q)) & jnp.all(jnp.isfinite(w)) & jnp.isfinite(E)
+              & jnp.isfinite(C) & jnp.isfinite(eps) & jnp.all(jnp.isfinite(row_w))
+              & jnp.all(jnp.isfinite(agg_rows)))
+    plan = ScreeningPlan(rows=rows, row_weights=row_w, aggregate=agg_rows,
+                         aggregate_linear=linear, residual=E, error=C, eps_raw=eps,
+                         prune=finite, retained=jnp.sum(retained).astype(jnp.int32))
+    details = PlanDetails(retained=retained, omitted_pos=omitted_pos, omitted_neg=omitted_neg,
+                          support=support, anchor=anchor, beta=beta, w_fold=w_fold,
+                          support_weight=jnp.where(support, jnp.abs(w), 0.0),
+                          residual=E, activation=p)
+    return plan, details
+
+
+def retained_mask(q, w, p, r, config):
+    """R for budget r (SPEC §4) from head norms and activation frequencies."""
+    qn = jnp.sqrt(jnp.sum(q * q, axis=-1))
+    return heads.retained_heads(w, qn, p, r, config.negative_ranking)
+
+
+def build_plan(q, w, p, config, *, sample_dots=None, sample_norms=None, sample_valid=None,
+               tau=None, fp8_aggregate: bool = False, row_dtype=None):
+    """Plans for a batch of queries ([T, H, D] etc.), choosing the budget per query.
+
+    With a single budget (``Config.retained_heads`` an int) the sample arguments
+    are unused. With ``"auto"``, each candidate budget's real-number certificate
+    (Eq. 9) is evaluated on the sample keys' head dots, the surviving fraction m
+    estimated against τ, and the budget minimising (r + d_a)/H + m chosen (Eq. 21).
+
+    Returns:
+      (ScreeningPlan [T, ...], PlanDetails [T, ...], chosen budget [T] int32).
+    """
+    from dosa_jax import budget as budget_mod  # local: budget imports this module
+
+    H = q.shape[1]
+    budgets = config.budgets(H)
+    R = max(budgets)
+    d_a = 2 if fp8_aggregate else 1
+
+    def one(qt, wt, pt, *sample):
+        def for_r(r):
+            m = retained_mask(qt, wt, pt, r, config)
+            return plan_for_mask(qt, wt, pt, m, config, R, fp8_aggregate=fp8_aggregate,
+                                 row_dtype=row_dtype)
+
+        if len(budgets) == 1:
+            plan, det = for_r(budgets[0])
+            return plan, det, jnp.int32(budgets[0])
+        cands = [for_r(r) for r in budgets]
+        x, kn, ok, tt = sample
+        costs = jnp.stack([
+            budget_mod.estimated_cost(x, kn, ok, tt, det, r, d_a, H)
+            for r, (_, det) in zip(budgets, cands)])
+        best = jnp.argmin(costs)
+        plan = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs)[best], *[c[0] for c in cands])
+        det = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs)[best], *[c[1] for c in cands])
+        return plan, det, jnp.asarray(budgets, jnp.int32)[best]
+
+    if len(budgets) == 1:
+        return jax.vmap(one)(q, w, p)
+    return jax.vmap(one)(q, w, p, sample_dots, sample_norms, sample_valid, tau)

@@ -1,0 +1,125 @@
+"""The original indexer scorer (paper Eq. 1), defined once.
+
+    s_i = α_i · Σ_h w_h · relu(q_h · k̄_i)
+
+Exactness (SPEC §12) needs *one* scoring routine with a fixed accumulation
+order used by the seeds, the refinement and the dense path alike. Every score
+in the reference backend is therefore produced by :func:`score_gathered` on a
+block of ``[Tq, B]`` (query, key) pairs whose keys were gathered by index:
+
+* the head dot products are one batched ``einsum('thd,tbd->tbh')`` in float32
+  with ``Precision.HIGHEST`` (never TF32), always with the same operand shapes
+  ``[Tq, H, D] x [Tq, B, D]``, so XLA emits the same dot for every path;
+* the head sum is an explicit left-to-right chain of elementwise
+  ``acc + w_h * relu(x_h)`` (h = 0..H-1): its rounding is per element and
+  cannot depend on the shape or the path;
+* the key scale multiplies the head sum last, as in DeepGEMM ``fp8_mqa_logits``;
+* ``-0.0`` is canonicalised to ``+0.0`` so that equal scores compare equal in
+  the tie order.
+
+``score`` is the public full-matrix scorer (for notebooks and tests).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+Array = jax.Array
+HIGHEST = lax.Precision.HIGHEST
+
+
+def to_f32(x: Array) -> Array:
+    """Exact widening of a float32/bf16/fp16/fp8 array to float32."""
+    return x.astype(jnp.float32)
+
+
+def head_dot_products(q_rows: Array, keys: Array) -> Array:
+    """x[t, b, h] = q_rows[t, h] · keys[t, b] in float32 (HIGHEST precision).
+
+    Args:
+      q_rows: [Tq, H, D] float32.
+      keys: [Tq, B, D] float32 (gathered per query).
+    Returns:
+      [Tq, B, H] float32.
+    """
+    return jnp.einsum("thd,tbd->tbh", q_rows, keys, precision=HIGHEST,
+                      preferred_element_type=jnp.float32)
+
+
+def weighted_relu_sum(x: Array, w: Array) -> Array:
+    """Σ_h w_h relu(x_h), accumulated left to right over h (fixed order).
+
+    Args:
+      x: [..., B, H] head dot products.
+      w: [..., H] weights (broadcast over B).
+    Returns:
+      [..., B] float32.
+    """
+    H = x.shape[-1]
+    acc = w[..., None, 0] * jnp.maximum(x[..., 0], 0.0)
+    for h in range(1, H):
+        acc = acc + w[..., None, h] * jnp.maximum(x[..., h], 0.0)
+    return acc
+
+
+def canonical_zero(s: Array) -> Array:
+    """Map -0.0 to +0.0 (equal scores must be equal keys in the tie order)."""
+    return jnp.where(s == 0, jnp.zeros_like(s), s)
+
+
+def score_gathered(q: Array, w: Array, keys: Array, scale=None, *, return_head_dots=False):
+    """The canonical scorer on a gathered block (Eq. 1).
+
+    Args:
+      q: [Tq, H, D] queries (any accepted float dtype).
+      w: [Tq, H] float32 head weights.
+      keys: [Tq, B, D] gathered keys or payloads (any accepted float dtype).
+      scale: None or [Tq, B] float32 per-key scales α_i.
+      return_head_dots: also return the [Tq, B, H] head dot products.
+    Returns:
+      scores [Tq, B] float32 (and head dots if asked).
+    """
+    x = head_dot_products(to_f32(q), to_f32(keys))
+    s = weighted_relu_sum(x, w.astype(jnp.float32))
+    if scale is not None:
+        s = s * scale
+    s = canonical_zero(s)
+    return (s, x) if return_head_dots else s
+
+
+def gather_rows(table: Array, ids: Array) -> Array:
+    """table[ids] with ids clipped into range (callers mask invalid ids)."""
+    n = table.shape[0]
+    return jnp.take(table, jnp.clip(ids, 0, n - 1), axis=0)
+
+
+def score_ids(q: Array, w: Array, k: Array, k_scale, ids: Array, *, return_head_dots=False):
+    """Score keys ``ids`` [Tq, B] for queries ``q`` [Tq, H, D] with the canonical scorer."""
+    keys = gather_rows(k, ids)
+    scale = None if k_scale is None else gather_rows(k_scale, ids)
+    return score_gathered(q, w, keys, scale, return_head_dots=return_head_dots)
+
+
+def score_ids_blocked(q, w, k, k_scale, ids, block: int, *, return_head_dots=False):
+    """:func:`score_ids` over ``ids`` [Tq, M] in blocks of ``block`` keys (M % block == 0).
+
+    Every block has the canonical shape [Tq, block], so scores are bitwise the
+    same as the dense path's.
+    """
+    Tq, M = ids.shape
+    if M % block:
+        raise ValueError(f"internal: {M} ids is not a multiple of block {block}")
+    nb = M // block
+    ids_b = ids.reshape(Tq, nb, block).transpose(1, 0, 2)
+
+    def one(idb):
+        return score_ids(q, w, k, k_scale, idb, return_head_dots=return_head_dots)
+
+    out = lax.map(one, ids_b)
+    if return_head_dots:
+        s, x = out
+        return (s.transpose(1, 0, 2).reshape(Tq, M),
+                x.transpose(1, 0, 2, 3).reshape(Tq, M, x.shape[-1]))
+    return out.transpose(1, 0, 2).reshape(Tq, M)

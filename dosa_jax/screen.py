@@ -1,0 +1,48 @@
+"""Screening: the numerical certificate U^num of a block of keys (Eq. 9, 26).
+
+One GEMM of the plan rows against the key block, a ReLU, the folded weights,
+the negative aggregate (its rows summed before the ReLU), the residual and
+error coefficients times the key-norm bound, all evaluated upward. A key is
+rejected only on ``U^num < τ`` (strict); a NaN bound never rejects.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from dosa_jax import enclosure as enc
+from dosa_jax.plan import ScreeningPlan
+
+HIGHEST = lax.Precision.HIGHEST
+
+
+def screening_bound(plan: ScreeningPlan, keys, key_norm_up, scale=None):
+    """U^num for every (query, key) of a shared key block.
+
+    Args:
+      plan: ScreeningPlan with leading axis Tq.
+      keys: [B, D] key payloads (any accepted dtype).
+      key_norm_up: [B] float32, n_i ≥ ‖k̄_i‖.
+      scale: None or [B] float32 α_i.
+    Returns:
+      [Tq, B] float32 upper bounds on the scorer's computed scores.
+    """
+    kf = keys.astype(jnp.float32)
+    y = jnp.einsum("trd,bd->tbr", plan.rows, kf, precision=HIGHEST,
+                   preferred_element_type=jnp.float32)
+    z = jnp.einsum("tad,bd->tb", plan.aggregate, kf, precision=HIGHEST,
+                   preferred_element_type=jnp.float32)
+    R = plan.row_weights.shape[-1]
+    u_hat = plan.row_weights[:, None, 0] * jnp.maximum(y[..., 0], 0.0)
+    for r in range(1, R):
+        u_hat = u_hat + plan.row_weights[:, None, r] * jnp.maximum(y[..., r], 0.0)
+    u_hat = u_hat - jnp.where(plan.aggregate_linear[:, None], z, jnp.maximum(z, 0.0))
+    coef = (plan.residual + plan.error)[:, None]
+    v = enc.payload_upper(u_hat, key_norm_up[None, :], coef, plan.eps_raw[:, None])
+    return enc.scaled_upper(v, None if scale is None else scale[None, :])
+
+
+def survives(bound, tau):
+    """Keep unless ``bound < τ`` (strict; equality and NaN survive)."""
+    return ~(bound < tau[:, None])
