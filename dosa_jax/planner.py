@@ -134,15 +134,14 @@ def build_plan(q, w, p, config, *, sample_dots=None, sample_norms=None, sample_v
         if len(budgets) == 1:
             plan, det = for_r(budgets[0])
             return plan, det, jnp.int32(budgets[0])
-        cands = [for_r(r) for r in budgets]
+        rs = jnp.asarray(budgets, jnp.int32)
+        plans, dets = jax.vmap(for_r)(rs)  # one program for every candidate budget
         x, kn, ok, tt = sample
-        costs = jnp.stack([
-            budget_mod.estimated_cost(x, kn, ok, tt, det, r, d_a, H)
-            for r, (_, det) in zip(budgets, cands)])
-        best = jnp.argmin(costs)
-        plan = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs)[best], *[c[0] for c in cands])
-        det = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs)[best], *[c[1] for c in cands])
-        return plan, det, jnp.asarray(budgets, jnp.int32)[best]
+        costs = jax.vmap(lambda det, r: budget_mod.estimated_cost(x, kn, ok, tt, det, r, d_a, H))(
+            dets, rs)
+        best = jnp.argmin(costs)  # ties: the smaller budget (candidates ascending)
+        pick = lambda t: jax.tree_util.tree_map(lambda a: a[best], t)
+        return pick(plans), pick(dets), rs[best]
 
     if len(budgets) == 1:
         return jax.vmap(one)(q, w, p)

@@ -58,10 +58,13 @@ def weighted_relu_sum(x: Array, w: Array) -> Array:
       [..., B] float32.
     """
     H = x.shape[-1]
-    acc = w[..., None, 0] * jnp.maximum(x[..., 0], 0.0)
-    for h in range(1, H):
-        acc = acc + w[..., None, h] * jnp.maximum(x[..., h], 0.0)
-    return acc
+    xt = jnp.moveaxis(x, -1, 0)  # [H, ..., B]
+    wt = jnp.moveaxis(w, -1, 0)[..., None]  # [H, ..., 1]
+    acc = wt[0] * jnp.maximum(xt[0], 0.0)
+    if H == 1:
+        return acc
+    # lax.fori_loop keeps the order h = 1..H-1 and a small program (no unrolling)
+    return lax.fori_loop(1, H, lambda h, a: a + wt[h] * jnp.maximum(xt[h], 0.0), acc)
 
 
 def canonical_zero(s: Array) -> Array:

@@ -13,6 +13,7 @@ from jax import lax
 
 from dosa_jax import enclosure as enc
 from dosa_jax.plan import ScreeningPlan
+from dosa_jax.scorer import weighted_relu_sum
 
 HIGHEST = lax.Precision.HIGHEST
 
@@ -33,10 +34,7 @@ def screening_bound(plan: ScreeningPlan, keys, key_norm_up, scale=None):
                    preferred_element_type=jnp.float32)
     z = jnp.einsum("tad,bd->tb", plan.aggregate, kf, precision=HIGHEST,
                    preferred_element_type=jnp.float32)
-    R = plan.row_weights.shape[-1]
-    u_hat = plan.row_weights[:, None, 0] * jnp.maximum(y[..., 0], 0.0)
-    for r in range(1, R):
-        u_hat = u_hat + plan.row_weights[:, None, r] * jnp.maximum(y[..., r], 0.0)
+    u_hat = weighted_relu_sum(y, plan.row_weights)
     u_hat = u_hat - jnp.where(plan.aggregate_linear[:, None], z, jnp.maximum(z, 0.0))
     coef = (plan.residual + plan.error)[:, None]
     v = enc.payload_upper(u_hat, key_norm_up[None, :], coef, plan.eps_raw[:, None])

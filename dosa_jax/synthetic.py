@@ -48,10 +48,14 @@ class StructuredParams:
         background direction (they fire on most keys, as the paper observes).
       weight_scale: typical |w_h|.
       query_topic_focus: how strongly a query's heads point at one topic.
+      segment_length: keys come in contiguous segments of this many positions that
+        share a topic (locality: recent context is on the query's topic).
+      query_local_prob: probability that a query's topic is the one of the segment
+        it sits in (otherwise a random topic).
     """
 
-    n_topics: int = 16
-    topic_strength: float = 2.0
+    n_topics: int = 32
+    topic_strength: float = 3.0
     background_strength: float = 1.5
     key_anisotropy: float = 0.5
     head_correlation: float = 0.6
@@ -59,6 +63,8 @@ class StructuredParams:
     negative_background_alignment: float = 1.0
     weight_scale: float = 1.0
     query_topic_focus: float = 1.5
+    segment_length: int = 256
+    query_local_prob: float = 0.7
 
 
 def quantize_keys_fp8(k: np.ndarray):
@@ -128,13 +134,17 @@ def structured(*, T: int = 64, N: int = 4096, H: int = 32, D: int = 128, seed: i
     background = rng.standard_normal(D)
     background /= np.linalg.norm(background)
     # keys: background + one dominant topic (sparse mixture) + anisotropic noise
-    key_topic = rng.integers(0, p.n_topics, N)
+    n_seg = -(-N // p.segment_length)
+    key_topic = np.repeat(rng.integers(0, p.n_topics, n_seg), p.segment_length)[:N]
     topic_amp = rng.gamma(2.0, 0.5, N) * p.topic_strength
     k = (rng.standard_normal((N, D)) * noise_std / np.sqrt(D) * 4.0
          + topic_amp[:, None] * topics[key_topic]
          + p.background_strength * background[None, :] * rng.uniform(0.5, 1.5, (N, 1)))
     # queries: each query attends to one topic; heads share a query direction
-    q_topic = rng.integers(0, p.n_topics, T)
+    lo, hi = _ranges(T, N, causal, lo, hi)
+    pos = np.clip(np.asarray(hi) - 1, 0, N - 1)
+    local = rng.uniform(size=T) < p.query_local_prob
+    q_topic = np.where(local, key_topic[pos], rng.integers(0, p.n_topics, T))
     shared = rng.standard_normal((T, D)) / np.sqrt(D)
     shared += p.query_topic_focus * topics[q_topic]
     indiv = rng.standard_normal((T, H, D)) / np.sqrt(D)
@@ -149,7 +159,6 @@ def structured(*, T: int = 64, N: int = 4096, H: int = 32, D: int = 128, seed: i
     q = np.where(neg[..., None],
                  q * 0.5 + p.negative_background_alignment * background[None, None, :], q)
     w = sign * rng.uniform(0.2, 1.0, (T, H)) * p.weight_scale
-    lo, hi = _ranges(T, N, causal, lo, hi)
     meta = dict(kind="structured", seed=seed, T=T, N=N, H=H, D=D, causal=causal,
                 params=dataclasses.asdict(p))
     return _finish(q.astype(np.float32), k.astype(np.float32), w.astype(np.float32), lo, hi,

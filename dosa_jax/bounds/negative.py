@@ -13,6 +13,7 @@ J(A) = Σ_{A} a_h(1−p_h) + Σ_{N\\A} a_h p_h (App. B.2, Eq. 15–16).
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 
 from dosa_jax import numerics as nm
 
@@ -41,9 +42,8 @@ def negative_aggregate(q, w, support):
     H = q.shape[0]
     c = jnp.where(support, jnp.abs(w), 0.0)
     terms = c[:, None] * q
-    a = jnp.zeros(q.shape[1:], jnp.float32)
-    for h in range(H):  # fixed order, so err below is for this evaluation
-        a = a + terms[h]
+    # fixed order h = 0..H-1 (err below bounds any order of this H-term sum)
+    a = lax.fori_loop(0, H, lambda h, acc: acc + terms[h], jnp.zeros(q.shape[1:], jnp.float32))
     mag = nm.inflate(jnp.sum(c * nm.norm_upper(q)), H)
     err = jnp.float32(nm.gamma(H + 1)) * mag * 1.01 + jnp.float32(q.shape[-1] ** 0.5 * 2.0 ** -148)
     return a, err

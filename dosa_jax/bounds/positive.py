@@ -22,6 +22,7 @@ above, covering the rounding of the residual vectors (App. C).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -103,7 +104,7 @@ def grouped_allowance(u, groups: int):
     """
     H, D = u.shape
     ug = u.reshape(H, groups, D // groups).transpose(1, 0, 2)
-    b = jnp.stack([joint_allowance(ug[g]) for g in range(groups)])
+    b = jax.vmap(joint_allowance)(ug)
     return jnp.sqrt(jnp.sum(b * b))
 
 
@@ -161,7 +162,7 @@ def grouped_allowance_upper(w, residual, omitted_pos, resid_err, groups: int):
     uh, e = weighted_residuals(w, residual, omitted_pos, resid_err)
     H, D = uh.shape
     ug = uh.reshape(H, groups, D // groups).transpose(1, 0, 2)
-    b = jnp.stack([_joint_upper(ug[g], e) for g in range(groups)])
+    b = jax.vmap(_joint_upper, in_axes=(0, None))(ug, e)
     return nm.sqrt_upper(nm.inflate(jnp.sum(nm.upper_product(b, b)), groups))
 
 

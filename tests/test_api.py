@@ -1,0 +1,139 @@
+"""Public API contract (SPEC §12): arguments, errors, jit/vmap, Config as a static pytree."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dosa_jax
+from dosa_jax import synthetic
+
+CFG = dosa_jax.Config(top_k=8, key_block=64, query_tile=4, retained_heads=2)
+
+
+@pytest.fixture(scope="module")
+def inp():
+    return synthetic.structured(T=4, N=200, H=4, D=16, seed=3)
+
+
+def test_plain_jit_usage_line(inp):
+    """The design's usage line: jax.jit(dosa_jax.topk)(q, k, w, config=cfg)."""
+    res = jax.jit(dosa_jax.topk)(inp.q, inp.k, inp.w, config=CFG)
+    ref = dosa_jax.topk(inp.q, inp.k, inp.w, config=CFG)  # un-jitted
+    np.testing.assert_array_equal(np.asarray(res.indices), np.asarray(ref.indices))
+    assert res.indices.shape == (4, 8) and res.indices.dtype == jnp.int32
+    assert res.scores.dtype == jnp.float32
+
+
+def test_config_is_static_pytree_without_leaves():
+    assert jax.tree_util.tree_leaves(CFG) == []
+    assert hash(CFG) == hash(dosa_jax.Config(top_k=8, key_block=64, query_tile=4, retained_heads=2))
+    with pytest.raises(Exception):
+        CFG.top_k = 3  # frozen
+
+
+def test_top_k_argument_overrides_config(inp):
+    a = dosa_jax.topk(inp.q, inp.k, inp.w, top_k=3, config=CFG)
+    assert a.indices.shape == (4, 3)
+    b = dosa_jax.dense_topk(inp.q, inp.k, inp.w, top_k=3, config=CFG)
+    np.testing.assert_array_equal(np.asarray(a.indices), np.asarray(b.indices))
+
+
+def test_traced_top_k_gives_clear_error(inp):
+    with pytest.raises(TypeError, match="top_k"):
+        jax.jit(dosa_jax.topk)(inp.q, inp.k, inp.w, 5, config=CFG)
+
+
+def test_vmap_over_batch_axis(inp):
+    q2 = jnp.stack([inp.q, inp.q[::-1]])
+    k2 = jnp.stack([inp.k, inp.k * 0.5])
+    w2 = jnp.stack([inp.w, -inp.w])
+    f = jax.vmap(lambda q, k, w: dosa_jax.topk(q, k, w, config=CFG).indices)
+    got = f(q2, k2, w2)
+    for b in range(2):
+        want = dosa_jax.dense_topk(q2[b], k2[b], w2[b], config=CFG).indices
+        np.testing.assert_array_equal(np.asarray(got[b]), np.asarray(want))
+
+
+def test_score_matches_float64(inp):
+    from conftest import reference_scores_f64
+    s = np.asarray(dosa_jax.score(inp.q, inp.k, inp.w))
+    ref = reference_scores_f64(inp.q, inp.k, inp.w)
+    np.testing.assert_allclose(s, ref, rtol=1e-5, atol=1e-4)
+    lo, hi = dosa_jax.causal_ranges(4, 200)
+    sm = np.asarray(dosa_jax.score(inp.q, inp.k, inp.w, lo=lo, hi=hi))
+    assert np.isneginf(sm[0, 197:]).all() and np.isfinite(sm[0, :197]).all()
+
+
+def test_causal_ranges():
+    lo, hi = dosa_jax.causal_ranges(3, 10)
+    assert lo.tolist() == [0, 0, 0] and hi.tolist() == [8, 9, 10]
+    lo, hi = dosa_jax.causal_ranges(2, 10, window=4)
+    assert lo.tolist() == [5, 6] and hi.tolist() == [9, 10]
+    with pytest.raises(ValueError, match="num_queries"):
+        dosa_jax.causal_ranges(11, 10)
+
+
+def test_ranges_are_clipped_and_empty_ranges_pad(inp):
+    lo = jnp.array([-5, 150, 199, 7], jnp.int32)
+    hi = jnp.array([3, 999, 100, 7], jnp.int32)
+    r = dosa_jax.topk(inp.q, inp.k, inp.w, lo=lo, hi=hi, config=CFG)
+    idx = np.asarray(r.indices)
+    assert sorted(idx[0][:3].tolist()) == [0, 1, 2] and (idx[0][3:] == -1).all()
+    assert ((idx[1] >= 150) & (idx[1] < 200)).all()
+    assert (idx[2] == -1).all() and (idx[3] == -1).all()
+    assert np.isneginf(np.asarray(r.scores)[3]).all()
+
+
+BAD = [
+    (dict(q=np.zeros((4, 16), np.float32)), ValueError, "q must have rank 3"),
+    (dict(k=np.zeros((200, 16, 1), np.float32)), ValueError, "k must have rank 2"),
+    (dict(w=np.zeros((4,), np.float32)), ValueError, "w must have rank 2"),
+    (dict(k=np.zeros((200, 8), np.float32)), ValueError, "head dimension"),
+    (dict(w=np.zeros((4, 5), np.float32)), ValueError, "w must have shape"),
+    (dict(q=np.zeros((4, 4, 16), np.int32)), TypeError, "q must be float32"),
+    (dict(k=np.zeros((200, 16), np.float64)), TypeError, "k must be float32"),
+    (dict(w=np.zeros((4, 4), np.int32)), TypeError, "w must be"),
+    (dict(k=jnp.zeros((200, 16), jnp.float8_e4m3fn)), ValueError, "k_scale is required"),
+    (dict(k_scale=np.ones((199,), np.float32)), ValueError, "k_scale must have shape"),
+    (dict(k_scale=np.ones((200,), np.float64)), TypeError, "k_scale must be float32"),
+    (dict(lo=np.zeros((4,), np.int32)), ValueError, "lo and hi must be given together"),
+    (dict(lo=np.zeros((3,), np.int32), hi=np.ones((3,), np.int32)), ValueError, "lo must have shape"),
+    (dict(lo=np.zeros((4,), np.float32), hi=np.ones((4,), np.int32)), TypeError, "lo must be an integer"),
+    (dict(top_k=0), ValueError, "top_k must be >= 1"),
+    (dict(top_k=2.5), TypeError, "top_k"),
+    (dict(config="fast"), TypeError, "config must be"),
+]
+
+
+@pytest.mark.parametrize("fn", [dosa_jax.topk, dosa_jax.dense_topk])
+@pytest.mark.parametrize("bad,exc,msg", BAD, ids=[b[2] for b in BAD])
+def test_bad_input_names_the_argument(inp, fn, bad, exc, msg):
+    args = dict(q=inp.q, k=inp.k, w=inp.w, config=CFG)
+    args.update(bad)
+    with pytest.raises(exc, match=msg):
+        fn(**args)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("top_k", 0), ("retained_heads", 0), ("retained_heads", "many"), ("seed_strategy", "random"),
+    ("positive_residual", "l1"), ("negative_support", "some"), ("negative_ranking", "x"),
+    ("certificate_form", "abs"), ("capacity", 0), ("key_block", 0), ("backend", "tpu"),
+    ("local_fraction", 1.5), ("scorer_unit_roundoff", 0.5), ("budget_candidates", (0,)),
+])
+def test_bad_config_names_the_field(field, value):
+    with pytest.raises(ValueError, match=f"Config.{field}"):
+        dosa_jax.Config(**{field: value})
+
+
+def test_exact_topk_public(rng):
+    s = rng.standard_normal((3, 50)).astype(np.float32)
+    s[0, 10] = s[0, 20] = s[0, 30] = 9.0  # a tie: index ascending
+    idx, sc = dosa_jax.exact_topk(jnp.asarray(s), 5)
+    assert np.asarray(idx)[0, :3].tolist() == [10, 20, 30]
+    for t in range(3):
+        order = np.lexsort((np.arange(50), -s[t]))[:5]
+        np.testing.assert_array_equal(np.asarray(idx)[t], order)
+        np.testing.assert_array_equal(np.asarray(sc)[t], s[t, order])
+    with pytest.raises(ValueError, match="k must be"):
+        dosa_jax.exact_topk(jnp.asarray(s), 0)
