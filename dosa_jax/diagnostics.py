@@ -77,3 +77,71 @@ def real_certificate_on_keys(head_dots, key_norm, details):
     """Real-number U (Eq. 9) of a plan (``PlanDetails`` of one query) on keys' head dots."""
     return certificate(head_dots, key_norm, details.w_fold, details.residual,
                        details.support_weight)
+
+
+class ScreeningCounts(NamedTuple):
+    """Per-query counts over the screened (visible, non-seed) keys at the seed threshold."""
+
+    screened: jax.Array
+    survive_numeric: jax.Array   # U^num ≥ τ (what the pipeline does, App. C enclosure)
+    survive_real: jax.Array      # real-number bound Û + ‖k‖E ≥ τ in plain float32 (Eq. 9)
+    survive_exact: jax.Array     # s ≥ τ: the floor no certificate can go below
+    tau: jax.Array
+
+
+def screening_counts(q, k, w, k_scale=None, lo=None, hi=None, config=None) -> ScreeningCounts:
+    """How much pruning the numerical enclosure costs (issue 3's measurement).
+
+    For every query, at its seed threshold τ (no raising), counts the screened keys
+    that survive the numeric certificate U^num, the real-number certificate
+    (same plan, E but no C, ε or upward rounding — *not* safe, for comparison
+    only) and the exact score. Runs the reference planner exactly as the pipeline.
+    """
+    from jax import lax
+
+    from dosa_jax import seeds as seeds_mod
+    from dosa_jax.config import Config
+    from dosa_jax.inputs import check_inputs
+    from dosa_jax.pipeline import map_query_tiles, plan_tile, prepare_keys
+    from dosa_jax.scorer import score_ids
+    from dosa_jax.screen import screening_bound
+
+    config = config or Config()
+    q, k, w, k_scale, lo, hi = check_inputs(q, k, w, k_scale, lo, hi)
+    keys = prepare_keys(k, k_scale, config.key_block)
+    B = config.key_block
+    nb = keys.k.shape[0] // B
+
+    def tile(qt, wt, lot, hit):
+        tp = plan_tile(qt, wt, lot, hit, keys, config)
+        Tq = qt.shape[0]
+        real_plan = tp.plan._replace(error=jnp.zeros_like(tp.plan.error),
+                                     eps_raw=jnp.zeros_like(tp.plan.eps_raw))
+
+        def body(b, acc):
+            ids = b * B + jnp.arange(B, dtype=jnp.int32)
+            kb = lax.dynamic_slice_in_dim(keys.k, b * B, B)
+            nbk = lax.dynamic_slice_in_dim(keys.norm_up, b * B, B)
+            ab = None if keys.scale is None else lax.dynamic_slice_in_dim(keys.scale, b * B, B)
+            u_num = screening_bound(tp.plan, kb, nbk, ab)
+            kf = kb.astype(jnp.float32)
+            y = jnp.einsum("trd,bd->tbr", real_plan.rows, kf, precision=lax.Precision.HIGHEST)
+            z = jnp.einsum("tad,bd->tb", real_plan.aggregate, kf, precision=lax.Precision.HIGHEST)
+            u_real = (jnp.sum(real_plan.row_weights[:, None, :] * jnp.maximum(y, 0.0), -1)
+                      - jnp.where(real_plan.aggregate_linear[:, None], z, jnp.maximum(z, 0.0))
+                      + jnp.sqrt(jnp.sum(kf * kf, -1))[None, :] * real_plan.residual[:, None])
+            if ab is not None:
+                u_real = u_real * ab[None, :]
+            idb = jnp.broadcast_to(ids[None, :], (Tq, B))
+            s = score_ids(qt, wt, keys.k, keys.scale, idb)
+            vis = (idb >= lot[:, None]) & (idb < hit[:, None]) & ~seeds_mod.is_seed(idb, tp.layout)
+            t = tp.tau[:, None]
+            cnt = lambda m: jnp.sum(vis & m, axis=1).astype(jnp.int32)
+            return (acc[0] + cnt(jnp.ones_like(vis)), acc[1] + cnt(~(u_num < t)),
+                    acc[2] + cnt(~(u_real < t)), acc[3] + cnt(~(s < t)))
+
+        z0 = jnp.zeros((Tq,), jnp.int32)
+        out = lax.fori_loop(0, nb, body, (z0, z0, z0, z0))
+        return ScreeningCounts(*out, tau=tp.tau)
+
+    return map_query_tiles(tile, q, w, lo, hi, config.query_tile)

@@ -102,28 +102,50 @@ def capacity(config, N: int) -> int:
     return max(round_up_to(cap, B), B)
 
 
-def dosa_tile(q, w, lo, hi, keys: KeyData, config, N: int):
-    """Exact Top-K for one tile of queries (q [Tq, H, D]); returns (idx, scores, Stats)."""
-    Tq, H, D = q.shape
-    K, B = config.top_k, config.key_block
-    S_pad = round_up_to(config.seeds(), B)
-    cap = capacity(config, N)
-    npad = keys.k.shape[0]
-    SENT = jnp.int32(npad)
+class TilePlan(NamedTuple):
+    """Seeds, threshold and screening plan of one query tile (stages 1–2)."""
 
-    # 1. seeds
+    layout: seeds_mod.SeedLayout
+    seed_ids: jax.Array     # [Tq, S_pad]
+    seed_valid: jax.Array   # [Tq, S_pad]
+    seed_scores: jax.Array  # [Tq, S_pad]
+    tau: jax.Array          # [Tq] seed threshold (Eq. 2)
+    plan: object            # ScreeningPlan
+    details: object         # PlanDetails
+    budget: jax.Array       # [Tq]
+
+
+def plan_tile(q, w, lo, hi, keys: KeyData, config) -> TilePlan:
+    """Stages 1–2 for a query tile: score the seeds, τ, activation frequencies, plan."""
+    B = config.key_block
+    S_pad = round_up_to(config.seeds(), B)
+    npad = keys.k.shape[0]
     layout = seeds_mod.seed_layout(lo, hi, config.seed_strategy, config.seeds(),
                                    config.sink_size, config.local_fraction)
     sid, svalid = seeds_mod.seed_ids(layout, S_pad)
     s_scores, s_dots = score_ids_blocked(q, w, keys.k, keys.scale, sid, B, return_head_dots=True)
-    tau0 = seeds_mod.seed_threshold(s_scores, svalid, K)
-    # 2. plan
+    tau0 = seeds_mod.seed_threshold(s_scores, svalid, config.top_k)
     p = jax.vmap(activation_frequencies)(s_dots, svalid)
     sample = seeds_mod.strided_mask(layout, S_pad)
     sample = jnp.where(jnp.any(sample, axis=1, keepdims=True), sample, svalid)
     s_norm = jnp.take(keys.norm_up, jnp.clip(sid, 0, npad - 1))
-    plan, _, budget = build_plan(q.astype(jnp.float32), w, p, config, sample_dots=s_dots,
-                                 sample_norms=s_norm, sample_valid=sample, tau=tau0)
+    plan, details, budget = build_plan(q.astype(jnp.float32), w, p, config, sample_dots=s_dots,
+                                       sample_norms=s_norm, sample_valid=sample, tau=tau0)
+    return TilePlan(layout, sid, svalid, s_scores, tau0, plan, details, budget)
+
+
+def dosa_tile(q, w, lo, hi, keys: KeyData, config, N: int):
+    """Exact Top-K for one tile of queries (q [Tq, H, D]); returns (idx, scores, Stats)."""
+    Tq, H, D = q.shape
+    K, B = config.top_k, config.key_block
+    cap = capacity(config, N)
+    npad = keys.k.shape[0]
+    SENT = jnp.int32(npad)
+
+    # 1–2. seeds, threshold, plan
+    tp = plan_tile(q, w, lo, hi, keys, config)
+    layout, sid, svalid, s_scores, tau0, plan, budget = (
+        tp.layout, tp.seed_ids, tp.seed_valid, tp.seed_scores, tp.tau, tp.plan, tp.budget)
     n_vis = hi - lo
     n_seed = jnp.sum(svalid, axis=1).astype(jnp.int32)
     bad_scale = (keys.bad_prefix[hi] - keys.bad_prefix[lo]) > 0

@@ -56,15 +56,15 @@ class StructuredParams:
 
     n_topics: int = 32
     topic_strength: float = 3.0
-    background_strength: float = 1.5
+    background_strength: float = 1.0
     key_anisotropy: float = 0.5
     head_correlation: float = 0.6
     negative_fraction: float = 0.5
-    negative_background_alignment: float = 1.0
+    negative_background_alignment: float = 0.5
     weight_scale: float = 1.0
     query_topic_focus: float = 1.5
-    segment_length: int = 256
-    query_local_prob: float = 0.7
+    segment_length: int = 4096
+    query_local_prob: float = 0.8
 
 
 def quantize_keys_fp8(k: np.ndarray):
