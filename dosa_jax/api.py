@@ -64,8 +64,8 @@ def _pallas():
     return pk
 
 
-def topk(q, k, w, top_k=None, k_scale=None, lo=None, hi=None, config: Optional[Config] = None
-         ) -> TopKResult:
+def topk(q, k, w, top_k=None, k_scale=None, lo=None, hi=None, config: Optional[Config] = None,
+         hint=None) -> TopKResult:
     """Exact indexer Top-K with DoSA screening.
 
     Args:
@@ -76,15 +76,27 @@ def topk(q, k, w, top_k=None, k_scale=None, lo=None, hi=None, config: Optional[C
       k_scale: [N] float32 per-key scale α_i (scores are α_i · Σ_h w_h relu(q_h·k̄_i)).
       lo, hi: [T] int32 visible range [lo_t, hi_t) (default: all keys); clipped to [0, N].
       config: :class:`Config` (static).
+      hint: optional [T, M] int32 key ids used as extra witnesses for τ after
+        rescoring for the current query (e.g. the previous decode step's or a
+        neighbouring query's selection; SPEC §3, §11). Any ids are safe: invisible
+        ids and duplicates are ignored; hints never change the answer, only pruning.
     Returns:
       TopKResult. ``indices`` equal ``dense_topk(...).indices`` bitwise.
     """
     config = _config_with_top_k(config, top_k)
     q, k, w, k_scale, lo, hi = check_inputs(q, k, w, k_scale, lo, hi)
+    if hint is not None:
+        if not hasattr(hint, "shape") or hint.ndim != 2 or hint.shape[0] != q.shape[0]:
+            raise ValueError(f"hint must have shape [T, M] with T={q.shape[0]}, got "
+                             f"{getattr(hint, 'shape', type(hint).__name__)}")
+        if not jnp.issubdtype(hint.dtype, jnp.integer):
+            raise TypeError(f"hint must be an integer array, got {hint.dtype}")
     if resolve_backend(config) == "pallas":
+        if hint is not None:
+            raise NotImplementedError("hint is supported by the reference backend only")
         idx, sc, stats = _pallas().dosa_topk(q, k, w, k_scale, lo, hi, config)
     else:
-        idx, sc, stats = dosa_topk_reference(q, k, w, k_scale, lo, hi, config)
+        idx, sc, stats = dosa_topk_reference(q, k, w, k_scale, lo, hi, config, hint)
     return TopKResult(idx, sc, stats)
 
 

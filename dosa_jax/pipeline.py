@@ -115,8 +115,14 @@ class TilePlan(NamedTuple):
     budget: jax.Array       # [Tq]
 
 
-def plan_tile(q, w, lo, hi, keys: KeyData, config) -> TilePlan:
-    """Stages 1–2 for a query tile: score the seeds, τ, activation frequencies, plan."""
+def plan_tile(q, w, lo, hi, keys: KeyData, config, hint=None) -> TilePlan:
+    """Stages 1–2 for a query tile: score the seeds, τ, activation frequencies, plan.
+
+    ``hint`` [Tq, M] (optional) are extra witness keys, e.g. the previous decode
+    step's selection: rescored for the current query, they join the seeds in τ
+    (distinct visible keys only) but not the candidate set — the scan meets them
+    again, so the running Top-K never holds a key twice.
+    """
     B = config.key_block
     S_pad = round_up_to(config.seeds(), B)
     npad = keys.k.shape[0]
@@ -124,7 +130,16 @@ def plan_tile(q, w, lo, hi, keys: KeyData, config) -> TilePlan:
                                    config.sink_size, config.local_fraction)
     sid, svalid = seeds_mod.seed_ids(layout, S_pad)
     s_scores, s_dots = score_ids_blocked(q, w, keys.k, keys.scale, sid, B, return_head_dots=True)
-    tau0 = seeds_mod.seed_threshold(s_scores, svalid, config.top_k)
+    if hint is None:
+        tau0 = seeds_mod.seed_threshold(s_scores, svalid, config.top_k)
+    else:
+        M = round_up_to(max(hint.shape[1], 1), B)
+        hint = jnp.pad(hint.astype(jnp.int32), ((0, 0), (0, M - hint.shape[1])), constant_values=-1)
+        h_scores = score_ids_blocked(q, w, keys.k, keys.scale, hint, B)
+        all_ids = jnp.concatenate([sid, hint], axis=1)
+        ok = seeds_mod.distinct_visible(all_ids, lo, hi)
+        tau0 = seeds_mod.seed_threshold(jnp.concatenate([s_scores, h_scores], axis=1), ok,
+                                        config.top_k)
     p = jax.vmap(activation_frequencies)(s_dots, svalid)
     sample = seeds_mod.strided_mask(layout, S_pad)
     sample = jnp.where(jnp.any(sample, axis=1, keepdims=True), sample, svalid)
@@ -134,7 +149,7 @@ def plan_tile(q, w, lo, hi, keys: KeyData, config) -> TilePlan:
     return TilePlan(layout, sid, svalid, s_scores, tau0, plan, details, budget)
 
 
-def dosa_tile(q, w, lo, hi, keys: KeyData, config, N: int):
+def dosa_tile(q, w, lo, hi, keys: KeyData, config, N: int, hint=None):
     """Exact Top-K for one tile of queries (q [Tq, H, D]); returns (idx, scores, Stats)."""
     Tq, H, D = q.shape
     K, B = config.top_k, config.key_block
@@ -143,7 +158,7 @@ def dosa_tile(q, w, lo, hi, keys: KeyData, config, N: int):
     SENT = jnp.int32(npad)
 
     # 1–2. seeds, threshold, plan
-    tp = plan_tile(q, w, lo, hi, keys, config)
+    tp = plan_tile(q, w, lo, hi, keys, config, hint)
     layout, sid, svalid, s_scores, tau0, plan, budget = (
         tp.layout, tp.seed_ids, tp.seed_valid, tp.seed_scores, tp.tau, tp.plan, tp.budget)
     n_vis = hi - lo
@@ -250,25 +265,29 @@ def dosa_tile(q, w, lo, hi, keys: KeyData, config, N: int):
     return st.run_idx, st.run_sc, stats
 
 
-def map_query_tiles(fn, q, w, lo, hi, tile: int):
-    """Apply ``fn(q, w, lo, hi)`` over query tiles of size ``tile`` (padding with empty queries)."""
+def map_query_tiles(fn, q, w, lo, hi, tile: int, *extra):
+    """Apply ``fn(q, w, lo, hi, *extra)`` over query tiles of size ``tile`` (padding with
+    empty queries); ``extra`` are further per-query arrays (leading axis T)."""
     T = q.shape[0]
     tq = max(1, min(tile, T))
     tpad = round_up_to(T, tq)
+    pad = lambda x, v=0: jnp.pad(x, ((0, tpad - T),) + ((0, 0),) * (x.ndim - 1), constant_values=v)
     if tpad != T:
-        q = jnp.pad(q, ((0, tpad - T), (0, 0), (0, 0)))
-        w = jnp.pad(w, ((0, tpad - T), (0, 0)))
-        lo = jnp.pad(lo, (0, tpad - T))
-        hi = jnp.pad(hi, (0, tpad - T))
+        q, w, lo, hi = pad(q), pad(w), pad(lo), pad(hi)
+        extra = tuple(pad(x, -1) for x in extra)
     nt = tpad // tq
     split = lambda x: x.reshape((nt, tq) + x.shape[1:])
-    out = lax.map(lambda a: fn(*a), (split(q), split(w), split(lo), split(hi)))
+    args = (split(q), split(w), split(lo), split(hi)) + tuple(split(x) for x in extra)
+    out = lax.map(lambda a: fn(*a), args)
     return jax.tree_util.tree_map(lambda x: x.reshape((tpad,) + x.shape[2:])[:T], out)
 
 
-def dosa_topk_reference(q, k, w, k_scale, lo, hi, config):
+def dosa_topk_reference(q, k, w, k_scale, lo, hi, config, hint=None):
     """Reference (pure jnp) DoSA Top-K over validated inputs."""
     keys = prepare_keys(k, k_scale, config.key_block)
     N = k.shape[0]
-    return map_query_tiles(lambda a, b, c, d: dosa_tile(a, b, c, d, keys, config, N),
-                           q, w, lo, hi, config.query_tile)
+    if hint is None:
+        return map_query_tiles(lambda a, b, c, d: dosa_tile(a, b, c, d, keys, config, N),
+                               q, w, lo, hi, config.query_tile)
+    return map_query_tiles(lambda a, b, c, d, e: dosa_tile(a, b, c, d, keys, config, N, e),
+                           q, w, lo, hi, config.query_tile, hint)

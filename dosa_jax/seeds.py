@@ -97,3 +97,16 @@ def seed_threshold(scores, valid, k: int):
         return jnp.full(scores.shape[:-1], -jnp.inf, jnp.float32)
     kth = lax.top_k(key, k)[0][..., k - 1]
     return jnp.where(kth == INT32_MIN, -jnp.inf, key_to_score(kth))
+
+
+def distinct_visible(ids, lo, hi):
+    """Mask of the first occurrence of each visible id in rows of ``ids`` [T, M]."""
+    M = ids.shape[1]
+    vis = (ids >= lo[:, None]) & (ids < hi[:, None])
+    key = jnp.where(vis, ids, jnp.iinfo(jnp.int32).max)
+    order = jnp.argsort(key, axis=1, stable=True)
+    sk = jnp.take_along_axis(key, order, axis=1)
+    first = jnp.concatenate([jnp.ones_like(sk[:, :1], bool), sk[:, 1:] != sk[:, :-1]], axis=1)
+    first = first & (sk != jnp.iinfo(jnp.int32).max)
+    rows = jnp.arange(ids.shape[0])[:, None]
+    return jnp.zeros_like(vis).at[rows, order].set(first)

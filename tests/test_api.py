@@ -137,3 +137,18 @@ def test_exact_topk_public(rng):
         np.testing.assert_array_equal(np.asarray(sc)[t], s[t, order])
     with pytest.raises(ValueError, match="k must be"):
         dosa_jax.exact_topk(jnp.asarray(s), 0)
+
+
+def test_hint_witnesses_raise_tau_and_never_change_the_answer(inp):
+    cfg = CFG.replace(seed_strategy="sinks", seed_size=8)
+    base = dosa_jax.topk(inp.q, inp.k, inp.w, config=cfg)
+    dense = dosa_jax.dense_topk(inp.q, inp.k, inp.w, config=cfg)
+    hint = jnp.concatenate([dense.indices, dense.indices[:, :3], jnp.full((4, 2), 999, jnp.int32)], 1)
+    got = jax.jit(dosa_jax.topk)(inp.q, inp.k, inp.w, config=cfg, hint=hint)
+    np.testing.assert_array_equal(np.asarray(got.indices), np.asarray(dense.indices))
+    np.testing.assert_array_equal(np.asarray(got.scores), np.asarray(dense.scores))
+    # with the true Top-K as witnesses τ = τ*: nothing below τ* survives
+    np.testing.assert_array_equal(np.asarray(got.stats.tau_seed), np.asarray(dense.scores[:, -1]))
+    assert np.all(np.asarray(got.stats.tau_seed) >= np.asarray(base.stats.tau_seed))
+    with pytest.raises(ValueError, match="hint must have shape"):
+        dosa_jax.topk(inp.q, inp.k, inp.w, config=cfg, hint=jnp.zeros((3, 2), jnp.int32))
