@@ -51,7 +51,7 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", choices=["default", "trained", "structured", "gaussian"], default="default")
     p.add_argument("--domain", default="code", help="trained data: 'code' or 'prose'")
-    p.add_argument("--layer", type=int, default=1)
+    p.add_argument("--layer", type=int, default=3)
     p.add_argument("--T", type=int, default=64, help="queries (synthetic data)")
     p.add_argument("--N", type=int, default=8192, help="keys (synthetic data)")
     p.add_argument("--H", type=int, default=32)

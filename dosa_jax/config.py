@@ -33,7 +33,8 @@ class Config:
       retained_heads: budget r (1 ≤ r < H) or ``"auto"`` (per query, from the
         cost model Eq. 18–21 on the seed sample, among ``budget_candidates``).
       budget_candidates: candidate budgets for ``"auto"`` (clipped to [1, H−1]);
-        empty means ``(H//8, H//4, 3H//8, H//2)``.
+        empty means ``(H/8, 2H/8, …, 6H/8)`` (trained indexers can have more than
+        half of their heads positive; omitted positive heads cost a residual).
       seed_strategy: ``union`` (sinks + local window + strided), ``local``,
         ``sinks`` or ``strided`` (SPEC §3).
       seed_size: number of seed keys S (≥ top_k); None → 2·top_k.
@@ -137,7 +138,7 @@ class Config:
             return (1,)
         if isinstance(self.retained_heads, int):
             return (min(max(self.retained_heads, 1), H - 1),)
-        cands = self.budget_candidates or (H // 8, H // 4, (3 * H) // 8, H // 2)
+        cands = self.budget_candidates or tuple((i * H) // 8 for i in range(1, 7))
         return tuple(sorted({min(max(int(c), 1), H - 1) for c in cands}))
 
 

@@ -22,7 +22,9 @@ import os
 from typing import Optional
 
 from dosa_jax.inputs import IndexerInputs
-from dosa_jax.synthetic import GENERATORS, gaussian, structured, synthetic  # noqa: F401  (re-export)
+from dosa_jax.synthetic import GENERATORS, gaussian, structured, synthetic
+
+__all__ = ["DOMAINS", "GENERATORS", "gaussian", "list_fixture", "structured", "synthetic", "trained"]
 
 DOMAINS = ("code", "prose")
 

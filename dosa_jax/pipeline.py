@@ -144,6 +144,11 @@ def plan_tile(q, w, lo, hi, keys: KeyData, config, hint=None) -> TilePlan:
     sample = seeds_mod.strided_mask(layout, S_pad)
     sample = jnp.where(jnp.any(sample, axis=1, keepdims=True), sample, svalid)
     s_norm = jnp.take(keys.norm_up, jnp.clip(sid, 0, npad - 1))
+    if keys.scale is not None:  # the head dots are on payloads: U in score units is α·U(k̄)
+        s_alpha = jnp.take(keys.scale, jnp.clip(sid, 0, npad - 1))
+        s_dots = s_dots * s_alpha[..., None]
+        s_norm = s_norm * s_alpha
+        sample = sample & enc.scale_is_valid(s_alpha)
     plan, details, budget = build_plan(q.astype(jnp.float32), w, p, config, sample_dots=s_dots,
                                        sample_norms=s_norm, sample_valid=sample, tau=tau0)
     return TilePlan(layout, sid, svalid, s_scores, tau0, plan, details, budget)
