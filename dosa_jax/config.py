@@ -39,7 +39,10 @@ class Config:
         ``sinks`` or ``strided`` (SPEC §3).
       seed_size: number of seed keys S (≥ top_k); None → 2·top_k.
       sink_size: sinks in the ``union`` strategy.
-      local_fraction: share of the ``union`` seeds taken from the local window.
+      local_fraction: share of the ``union`` seeds taken from the local window
+        (0.75: with S = 2K the local window alone holds ≥ K keys).
+      budget_sample: strided keys per query scored for the ``"auto"`` budget's
+        survival estimate and the activation frequencies p_h (seeds are biased).
       positive_residual: ``triangle`` (Eq. 6), ``joint`` (Eq. 7), ``grouped``
         (App. A.1) or ``best`` (the minimum of them).
       residual_groups: coordinate groups for ``grouped``/``best``.
@@ -66,7 +69,8 @@ class Config:
     seed_strategy: str = "union"
     seed_size: Optional[int] = None
     sink_size: int = 64
-    local_fraction: float = 0.5
+    local_fraction: float = 0.75
+    budget_sample: int = 256
     positive_residual: str = "best"
     residual_groups: int = 4
     positive_projection: bool = True
@@ -97,6 +101,8 @@ class Config:
             bad("seed_strategy", f"must be one of {SEED_STRATEGIES}")
         if self.seed_size is not None and (not isinstance(self.seed_size, int) or self.seed_size < 1):
             bad("seed_size", "must be None or an int >= 1")
+        if not isinstance(self.budget_sample, int) or self.budget_sample < 1:
+            bad("budget_sample", "must be an int >= 1")
         if not isinstance(self.sink_size, int) or self.sink_size < 0:
             bad("sink_size", "must be an int >= 0")
         if not 0.0 <= self.local_fraction <= 1.0:

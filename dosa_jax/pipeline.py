@@ -140,12 +140,21 @@ def plan_tile(q, w, lo, hi, keys: KeyData, config, hint=None) -> TilePlan:
         ok = seeds_mod.distinct_visible(all_ids, lo, hi)
         tau0 = seeds_mod.seed_threshold(jnp.concatenate([s_scores, h_scores], axis=1), ok,
                                         config.top_k)
-    p = jax.vmap(activation_frequencies)(s_dots, svalid)
-    sample = seeds_mod.strided_mask(layout, S_pad)
-    sample = jnp.where(jnp.any(sample, axis=1, keepdims=True), sample, svalid)
-    s_norm = jnp.take(keys.norm_up, jnp.clip(sid, 0, npad - 1))
+    sample = svalid
+    e_ids, e_dots = sid, s_dots
+    if len(config.budgets(q.shape[1])) > 1:
+        # seeds are a biased sample (local and sink keys score high): the automatic
+        # budget's survival estimate and p_h use a strided sample, scored in full (small).
+        e_lay = seeds_mod.seed_layout(lo, hi, "strided", config.budget_sample, 0, 0.0)
+        e_ids, e_valid = seeds_mod.seed_ids(e_lay, round_up_to(config.budget_sample, B))
+        _, e_dots = score_ids_blocked(q, w, keys.k, keys.scale, e_ids, B, return_head_dots=True)
+        sample = e_valid
+    sample = jnp.where(jnp.any(sample, axis=1, keepdims=True), sample, e_ids >= 0)
+    p = jax.vmap(activation_frequencies)(e_dots, sample)
+    s_norm = jnp.take(keys.norm_up, jnp.clip(e_ids, 0, npad - 1))
+    s_dots = e_dots
     if keys.scale is not None:  # the head dots are on payloads: U in score units is α·U(k̄)
-        s_alpha = jnp.take(keys.scale, jnp.clip(sid, 0, npad - 1))
+        s_alpha = jnp.take(keys.scale, jnp.clip(e_ids, 0, npad - 1))
         s_dots = s_dots * s_alpha[..., None]
         s_norm = s_norm * s_alpha
         sample = sample & enc.scale_is_valid(s_alpha)
