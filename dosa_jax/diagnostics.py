@@ -4,8 +4,8 @@
   ``U − s = δ_P + Σ_{h∈N\\A} c_h relu(x_h) + min(Z_A⁺, Z_A⁻)``, each term ≥ 0.
 * :func:`margin_terms` — Eq. 17: with b = τ* − τ, δ_i = U_i − s_i,
   Δ_i = τ* − s_i: ``U_i < τ ⇔ Δ_i > δ_i + b``.
-* :func:`analyze_query` — everything for one query in a notebook: plan
-  details, U and s on every visible key, survivals (real-number and numeric).
+* :func:`screening_counts` — per query, survivors of the numeric certificate,
+  the real-number certificate and the exact score at the seed threshold.
 
 The cost model (Eq. 18–21) lives in :mod:`dosa_jax.budget`.
 """
@@ -103,7 +103,7 @@ def screening_counts(q, k, w, k_scale=None, lo=None, hi=None, config=None) -> Sc
     from dosa_jax.config import Config
     from dosa_jax.inputs import check_inputs
     from dosa_jax.pipeline import map_query_tiles, plan_tile, prepare_keys
-    from dosa_jax.scorer import score_ids
+    from dosa_jax.scorer import score_ids, to_f32
     from dosa_jax.screen import screening_bound
 
     config = config or Config()
@@ -124,7 +124,7 @@ def screening_counts(q, k, w, k_scale=None, lo=None, hi=None, config=None) -> Sc
             nbk = lax.dynamic_slice_in_dim(keys.norm_up, b * B, B)
             ab = None if keys.scale is None else lax.dynamic_slice_in_dim(keys.scale, b * B, B)
             u_num = screening_bound(tp.plan, kb, nbk, ab)
-            kf = kb.astype(jnp.float32)
+            kf = to_f32(kb)
             y = jnp.einsum("trd,bd->tbr", real_plan.rows, kf, precision=lax.Precision.HIGHEST)
             z = jnp.einsum("tad,bd->tb", real_plan.aggregate, kf, precision=lax.Precision.HIGHEST)
             u_real = (jnp.sum(real_plan.row_weights[:, None, :] * jnp.maximum(y, 0.0), -1)

@@ -73,14 +73,15 @@ def row_cast_error(rows, dtype):
 
 
 def underflow_allowance(w, row_weights, n_agg_rows: int, D: int, H: int, R: int):
-    """ε_raw: absolute underflow errors of the scorer and the screening (before scaling).
+    """ε_raw: absolute errors of flushed (underflowed) results, scorer and screening.
 
-    Each rounded product contributes at most 2^-150; dots of D products are
-    weighted by |w_h| (scorer) and |w̃_j| (screening).
+    With flush-to-zero every float32 operation may lose up to 2^-126 absolutely.
+    The scorer's D products and D−1 sums per head are weighted by |w_h|, then H
+    products and sums; the screening likewise with |w̃_j| and the aggregate rows.
     """
     mag = (jnp.sum(jnp.abs(w), axis=-1) + jnp.sum(jnp.abs(row_weights), axis=-1)
-           + n_agg_rows + 1.0) * D + H + R + 8
-    return nm.round_up(nm.inflate(mag, H + R) * jnp.float32(2.0 ** -148))
+           + n_agg_rows + 1.0) * (2 * D) + 2 * (H + R) + 16
+    return nm.inflate(mag * jnp.float32(2 * nm.ETA32), H + R)
 
 
 def payload_upper(u_hat, key_norm_up, coef, eps_raw):

@@ -1,8 +1,11 @@
 """Floating-point error model used by the numerical enclosure (paper App. C).
 
-Standard model for IEEE float32 round-to-nearest with gradual underflow:
-``fl(a op b) = (a op b)(1 + δ) + η`` with ``|δ| ≤ u = 2^-24`` and ``|η| ≤ 2^-150``
-(η only for multiplications that underflow; additions are exact there).
+Model for float32 round-to-nearest *with flush-to-zero*: XLA on CPU and GPU
+flushes results below the smallest normal 2^-126 to zero (and reads subnormal
+inputs as zero), so ``fl(a op b) = (a op b)(1 + δ) + η`` with ``|δ| ≤ u = 2^-24``
+and ``|η| ≤ 2^-126`` for *every* operation. Every absolute allowance here is
+therefore a normal number (``TINY`` = 2^-125): a subnormal margin would itself
+be flushed away (the proofs caught exactly that).
 A sum or dot product of n terms evaluated in *any* order obeys
 ``|fl(Σ x_j) − Σ x_j| ≤ γ_{n} Σ |x_j|`` with ``γ_n = n u / (1 − n u)``.
 
@@ -17,10 +20,13 @@ import jax.numpy as jnp
 
 #: Unit roundoff of float32 round-to-nearest.
 U32 = 2.0 ** -24
-#: Bound on the absolute error of one underflowing float32 multiplication.
-ETA32 = 2.0 ** -150
+#: Bound on the absolute error of one float32 operation whose result underflows
+#: (flush-to-zero: anything below 2^-126 may become 0).
+ETA32 = 2.0 ** -126
 #: Smallest positive normal float32.
 TINY32 = 2.0 ** -126
+#: The absolute allowance added by the upward helpers: normal, so never flushed.
+TINY = 2.0 ** -125
 
 
 def gamma(n: int, u: float = U32) -> float:
@@ -40,11 +46,11 @@ def inflate(x, n_ops: int):
     """Upper bound on the exact value of a *non-negative* quantity computed with n_ops
     round-to-nearest float32 operations on non-negative terms (relative error ≤ γ_n).
 
-    Returns ``x·(1 + γ_{n+2}) + 2^-148`` rounded up; the extra two γ steps cover the
-    multiplication's own rounding, the constant the underflow of tiny values.
+    Returns ``x·(1 + γ_{n+2}) + (n+2)·2^-125`` rounded up; the extra two γ steps cover
+    the multiplication's own rounding, the constant the flushed (underflowed) results.
     """
     g = jnp.float32(gamma(n_ops + 2))
-    return round_up(x * (1.0 + g) + jnp.float32(2.0 ** -148))
+    return round_up(x * (1.0 + g) + jnp.float32((n_ops + 2) * TINY))
 
 
 def upper_sum(*terms):
@@ -60,27 +66,36 @@ def upper_sum(*terms):
         s = s + t
         a = a + jnp.abs(t)
     g = jnp.float32(gamma(2 * n + 2))
-    return round_up(s + a * g + jnp.float32(2.0 ** -148))
+    return round_up(s + a * g + jnp.float32((2 * n + 2) * TINY))
 
 
 def upper_product(a, b):
     """Upper bound on the exact product a·b (any signs) from one round-to-nearest multiply."""
     p = a * b
-    return round_up(p + jnp.abs(p) * jnp.float32(2 * U32) + jnp.float32(ETA32 * 2))
+    return round_up(p + jnp.abs(p) * jnp.float32(2 * U32) + jnp.float32(2 * TINY))
 
 
 def norm_upper(x, axis=-1):
     """Upper bound on the Euclidean norm ‖x‖₂ along ``axis`` (float32 input).
 
-    Σ x_d² carries relative error ≤ γ_{D+1} plus D underflowed squares of at most
-    2^-149 each; sqrt adds one rounding. Non-finite inputs give a non-finite bound
-    (callers treat that as a fault).
+    Scaled like LAPACK's nrm2: x is multiplied by the power of two 2^-e that brings
+    max|x| to [1, 2) (exact), so squares neither overflow nor flush to zero except
+    for entries below 2^-63·max|x|; Σ x_d² then carries relative error ≤ γ_{D+1} plus
+    D flushed squares of at most 2^-126 each; sqrt adds one rounding; the result is
+    scaled back by 2^e and widened by a normal allowance. Non-finite inputs give a
+    non-finite bound (callers treat that as a fault).
     """
     x = x.astype(jnp.float32)
     d = x.shape[axis]
-    ss = jnp.sum(x * x, axis=axis)
-    ss_up = ss * (1.0 + jnp.float32(gamma(d + 3))) + jnp.float32(d * 2.0 ** -148)
-    return round_up(jnp.sqrt(round_up(ss_up)) * (1.0 + jnp.float32(2 * U32)))
+    m = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
+    e = jnp.where((m > 0) & jnp.isfinite(m), jnp.frexp(jnp.where(m > 0, m, 1.0))[1] - 1, 0)
+    xs = jnp.ldexp(x, -e)
+    ss = jnp.sum(xs * xs, axis=axis)
+    ss_up = ss * (1.0 + jnp.float32(gamma(d + 3))) + jnp.float32(d * ETA32 * 2)
+    r = round_up(jnp.sqrt(round_up(ss_up)) * (1.0 + jnp.float32(2 * U32)))
+    r = jnp.ldexp(r, jnp.squeeze(e, axis)) * (1.0 + jnp.float32(2 * U32))
+    r = jnp.where(jnp.isfinite(jnp.squeeze(m, axis)), r, jnp.squeeze(m, axis) * jnp.inf)
+    return round_up(r + jnp.float32(2 * TINY))
 
 
 def sqrt_upper(x):

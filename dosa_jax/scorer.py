@@ -31,8 +31,17 @@ HIGHEST = lax.Precision.HIGHEST
 
 
 def to_f32(x: Array) -> Array:
-    """Exact widening of a float32/bf16/fp16/fp8 array to float32."""
-    return x.astype(jnp.float32)
+    """Exact widening of a float32/bf16/fp16/fp8 array to float32, kept *as float32*.
+
+    The optimization barrier stops XLA from folding the convert into the dot:
+    on Hopper, XLA's GEMM rewriter turns ``dot(convert(fp8), convert(fp8))`` into
+    a cuBLASLt FP8 GEMM whose accumulation is not float32 — the H200 enclosure
+    check found s_ref above U^num for FP8 queries before this barrier existed.
+    The scorer's arithmetic is float32 accumulation by definition (SPEC §9).
+    """
+    if jnp.dtype(x.dtype) == jnp.dtype(jnp.float32):
+        return x
+    return lax.optimization_barrier(x.astype(jnp.float32))
 
 
 def head_dot_products(q_rows: Array, keys: Array) -> Array:
@@ -84,7 +93,7 @@ def score_gathered(q: Array, w: Array, keys: Array, scale=None, *, return_head_d
     Returns:
       scores [Tq, B] float32 (and head dots if asked).
     """
-    x = head_dot_products(to_f32(q), to_f32(keys))
+    x = head_dot_products(to_f32(q), to_f32(keys))  # float32 operands, never an FP8 GEMM
     s = weighted_relu_sum(x, w.astype(jnp.float32))
     if scale is not None:
         s = s * scale

@@ -13,7 +13,7 @@ from jax import lax
 
 from dosa_jax import enclosure as enc
 from dosa_jax.plan import ScreeningPlan
-from dosa_jax.scorer import weighted_relu_sum
+from dosa_jax.scorer import to_f32, weighted_relu_sum
 
 HIGHEST = lax.Precision.HIGHEST
 
@@ -29,7 +29,7 @@ def screening_bound(plan: ScreeningPlan, keys, key_norm_up, scale=None):
     Returns:
       [Tq, B] float32 upper bounds on the scorer's computed scores.
     """
-    kf = keys.astype(jnp.float32)
+    kf = to_f32(keys)  # float32 GEMM (see scorer.to_f32)
     y = jnp.einsum("trd,bd->tbr", plan.rows, kf, precision=HIGHEST,
                    preferred_element_type=jnp.float32)
     z = jnp.einsum("tad,bd->tb", plan.aggregate, kf, precision=HIGHEST,

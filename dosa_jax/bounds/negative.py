@@ -43,9 +43,9 @@ def negative_aggregate(q, w, support):
     c = jnp.where(support, jnp.abs(w), 0.0)
     terms = c[:, None] * q
     # fixed order h = 0..H-1 (err below bounds any order of this H-term sum)
-    a = lax.fori_loop(0, H, lambda h, acc: acc + terms[h], jnp.zeros(q.shape[1:], jnp.float32))
+    a = lax.fori_loop(0, H, lambda h, acc: acc + terms[h], jnp.zeros(q.shape[1:], terms.dtype))
     mag = nm.inflate(jnp.sum(c * nm.norm_upper(q)), H)
-    err = jnp.float32(nm.gamma(H + 1)) * mag * 1.01 + jnp.float32(q.shape[-1] ** 0.5 * 2.0 ** -148)
+    err = jnp.float32(nm.gamma(H + 1)) * mag * 1.01 + jnp.float32((H + 1) * q.shape[-1] ** 0.5 * nm.ETA32)
     return a, err
 
 

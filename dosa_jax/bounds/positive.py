@@ -73,8 +73,8 @@ def folded_weights(w, retained, omitted_pos, anchor, beta):
     H = w.shape[0]
     contrib = jnp.where(omitted_pos & (anchor >= 0), w * beta, 0.0)
     tgt = jnp.where(anchor >= 0, anchor, 0)
-    add = jnp.zeros((H,), jnp.float32).at[tgt].add(contrib)
-    add_abs = jnp.zeros((H,), jnp.float32).at[tgt].add(jnp.abs(contrib))
+    add = jnp.zeros((H,), contrib.dtype).at[tgt].add(contrib)
+    add_abs = jnp.zeros((H,), contrib.dtype).at[tgt].add(jnp.abs(contrib))
     w_fold = jnp.where(retained, w + add, 0.0)
     fold_abs = jnp.where(retained, jnp.abs(w) + add_abs, 0.0)
     return w_fold, fold_abs
@@ -115,7 +115,7 @@ def residual_error(q, beta, anchor, omitted_pos):
     qn = nm.norm_upper(q)
     a_n = jnp.where(anchor >= 0, qn[jnp.maximum(anchor, 0)], 0.0)
     e = jnp.float32(nm.gamma(3)) * (qn + beta * a_n) * 1.01
-    e = e + jnp.float32(q.shape[-1] ** 0.5 * 2.0 ** -148)  # underflow of β·q_j per coordinate
+    e = e + jnp.float32(2 * q.shape[-1] ** 0.5 * nm.ETA32)  # flushed β·q_j, q − β·q_j per coordinate
     return jnp.where(omitted_pos, e, 0.0)
 
 
@@ -174,10 +174,13 @@ def residual_allowance_upper(w, residual, omitted_pos, resid_err, mode: str, gro
     tri = triangle_allowance_upper(w, residual, omitted_pos, resid_err)
     if mode == "triangle":
         return tri
-    joint = jnp.minimum(tri, joint_allowance_upper(w, residual, omitted_pos, resid_err))
+    # the Gram-based bounds can overflow where the triangle bound is still finite:
+    # a non-finite alternative is skipped (never used to prune), not propagated
+    smaller = lambda a, b: jnp.where(jnp.isfinite(b), jnp.minimum(a, b), a)
+    joint = smaller(tri, joint_allowance_upper(w, residual, omitted_pos, resid_err))
     if mode == "joint":
         return joint
     grp = grouped_allowance_upper(w, residual, omitted_pos, resid_err, groups)
     if mode == "grouped":
-        return grp
-    return jnp.minimum(joint, grp)
+        return smaller(tri, grp)
+    return smaller(joint, grp)
