@@ -43,6 +43,9 @@ class Config:
         (0.75: with S = 2K the local window alone holds ≥ K keys).
       budget_sample: strided keys per query scored for the ``"auto"`` budget's
         survival estimate and the activation frequencies p_h (seeds are biased).
+      guided_witnesses: if > 0, that many extra witnesses for τ: the keys with the
+        largest certificate U^num among a strided sample of ``guided_sample`` keys,
+        scored in full (helps where the local window is not where the winners are).
       positive_residual: ``triangle`` (Eq. 6), ``joint`` (Eq. 7), ``grouped``
         (App. A.1) or ``best`` (the minimum of them).
       residual_groups: coordinate groups for ``grouped``/``best``.
@@ -71,6 +74,8 @@ class Config:
     sink_size: int = 64
     local_fraction: float = 0.75
     budget_sample: int = 256
+    guided_witnesses: int = 0
+    guided_sample: int = 8192
     positive_residual: str = "best"
     residual_groups: int = 4
     positive_projection: bool = True
@@ -103,6 +108,10 @@ class Config:
             bad("seed_size", "must be None or an int >= 1")
         if not isinstance(self.budget_sample, int) or self.budget_sample < 1:
             bad("budget_sample", "must be an int >= 1")
+        for name in ("guided_witnesses", "guided_sample"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0 or (name == "guided_sample" and v < 1):
+                bad(name, "must be a non-negative int (guided_sample >= 1)")
         if not isinstance(self.sink_size, int) or self.sink_size < 0:
             bad("sink_size", "must be an int >= 0")
         if not 0.0 <= self.local_fraction <= 1.0:

@@ -130,16 +130,7 @@ def plan_tile(q, w, lo, hi, keys: KeyData, config, hint=None) -> TilePlan:
                                    config.sink_size, config.local_fraction)
     sid, svalid = seeds_mod.seed_ids(layout, S_pad)
     s_scores, s_dots = score_ids_blocked(q, w, keys.k, keys.scale, sid, B, return_head_dots=True)
-    if hint is None:
-        tau0 = seeds_mod.seed_threshold(s_scores, svalid, config.top_k)
-    else:
-        M = round_up_to(max(hint.shape[1], 1), B)
-        hint = jnp.pad(hint.astype(jnp.int32), ((0, 0), (0, M - hint.shape[1])), constant_values=-1)
-        h_scores = score_ids_blocked(q, w, keys.k, keys.scale, hint, B)
-        all_ids = jnp.concatenate([sid, hint], axis=1)
-        ok = seeds_mod.distinct_visible(all_ids, lo, hi)
-        tau0 = seeds_mod.seed_threshold(jnp.concatenate([s_scores, h_scores], axis=1), ok,
-                                        config.top_k)
+    tau0 = seeds_mod.seed_threshold(s_scores, svalid, config.top_k)
     sample = svalid
     e_ids, e_dots = sid, s_dots
     if len(config.budgets(q.shape[1])) > 1:
@@ -160,7 +151,38 @@ def plan_tile(q, w, lo, hi, keys: KeyData, config, hint=None) -> TilePlan:
         sample = sample & enc.scale_is_valid(s_alpha)
     plan, details, budget = build_plan(q.astype(jnp.float32), w, p, config, sample_dots=s_dots,
                                        sample_norms=s_norm, sample_valid=sample, tau=tau0)
+    witnesses = [] if hint is None else [hint.astype(jnp.int32)]
+    if config.guided_witnesses:
+        witnesses.append(guided_witnesses(plan, lo, hi, keys, config))
+    if witnesses:
+        # extra witnesses join the seeds in τ only (distinct visible keys; Eq. 2)
+        extra = jnp.concatenate(witnesses, axis=1)
+        M = round_up_to(extra.shape[1], B)
+        extra = jnp.pad(extra, ((0, 0), (0, M - extra.shape[1])), constant_values=-1)
+        e_scores = score_ids_blocked(q, w, keys.k, keys.scale, extra, B)
+        ok = seeds_mod.distinct_visible(jnp.concatenate([sid, extra], axis=1), lo, hi)
+        tau0 = seeds_mod.seed_threshold(jnp.concatenate([s_scores, e_scores], axis=1), ok,
+                                        config.top_k)
     return TilePlan(layout, sid, svalid, s_scores, tau0, plan, details, budget)
+
+
+def guided_witnesses(plan, lo, hi, keys: KeyData, config):
+    """Certificate-guided witnesses: the ``guided_witnesses`` keys with the largest
+    bound U^num among a strided sample of ``guided_sample`` keys (cheap: r + d_a dot
+    products each). High U tends to mean high s, so scoring them in full gives a
+    threshold far above the seeds' where locality fails; any keys would be safe.
+    """
+    G = config.guided_sample
+    lay = seeds_mod.seed_layout(lo, hi, "strided", G, 0, 0.0)
+    ids, valid = seeds_mod.seed_ids(lay, G)
+    npad = keys.k.shape[0]
+    cid = jnp.clip(ids, 0, npad - 1)
+    bound = screening_bound(plan, jnp.take(keys.k, cid, axis=0), jnp.take(keys.norm_up, cid),
+                            None if keys.scale is None else jnp.take(keys.scale, cid))
+    bound = jnp.where(valid & ~jnp.isnan(bound), bound, -jnp.inf)
+    top = lax.top_k(bound, min(config.guided_witnesses, G))[1]
+    return jnp.where(jnp.take_along_axis(valid, top, axis=1),
+                     jnp.take_along_axis(ids, top, axis=1), -1)
 
 
 def dosa_tile(q, w, lo, hi, keys: KeyData, config, N: int, hint=None):

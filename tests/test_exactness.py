@@ -71,6 +71,7 @@ VARIANTS = {
     "sinks": dict(seed_strategy="sinks", sink_size=5),
     "strided": dict(seed_strategy="strided", seed_size=40),
     "fixed_tau": dict(raise_threshold=False, capacity=B),
+    "guided": dict(guided_witnesses=20, guided_sample=128, seed_strategy="sinks", sink_size=3),
 }
 
 
