@@ -38,6 +38,18 @@ def key_to_score(key: Array) -> Array:
     return jnp.where(key == INT32_MIN, -jnp.inf, s)
 
 
+def _decode(top_key, top_id, k: int):
+    """(indices, scores) from selected order keys and ids, padded to k with -1 / -inf."""
+    idx = jnp.where(top_key == INT32_MIN, -1, top_id)
+    out_s = jnp.where(top_key == INT32_MIN, -jnp.inf, key_to_score(top_key))
+    kk = top_key.shape[-1]
+    if kk < k:
+        pad = [(0, 0)] * (idx.ndim - 1) + [(0, k - kk)]
+        idx = jnp.pad(idx, pad, constant_values=-1)
+        out_s = jnp.pad(out_s, pad, constant_values=-jnp.inf)
+    return idx, out_s
+
+
 def select_by_position(scores: Array, k: int, valid=None):
     """Exact Top-k of rows where the key index is the column position.
 
@@ -54,13 +66,7 @@ def select_by_position(scores: Array, k: int, valid=None):
         key = jnp.where(valid, key, INT32_MIN)
     kk = min(k, M)
     top_key, top_pos = lax.top_k(key, kk)  # stable: equal keys keep position order
-    idx = jnp.where(top_key == INT32_MIN, -1, top_pos.astype(jnp.int32))
-    out_s = jnp.where(top_key == INT32_MIN, -jnp.inf, key_to_score(top_key))
-    if kk < k:
-        pad = [(0, 0)] * (idx.ndim - 1) + [(0, k - kk)]
-        idx = jnp.pad(idx, pad, constant_values=-1)
-        out_s = jnp.pad(out_s, pad, constant_values=-jnp.inf)
-    return idx, out_s
+    return _decode(top_key, top_pos.astype(jnp.int32), k)
 
 
 def select_records(scores: Array, ids: Array, k: int, valid=None):
@@ -86,13 +92,7 @@ def select_records(scores: Array, ids: Array, k: int, valid=None):
     kk = min(k, M)
     top_key = ~nk[..., :kk]
     top_id = sid[..., :kk]
-    idx = jnp.where(top_key == INT32_MIN, -1, top_id)
-    out_s = jnp.where(top_key == INT32_MIN, -jnp.inf, key_to_score(top_key))
-    if kk < k:
-        pad = [(0, 0)] * (idx.ndim - 1) + [(0, k - kk)]
-        idx = jnp.pad(idx, pad, constant_values=-1)
-        out_s = jnp.pad(out_s, pad, constant_values=-jnp.inf)
-    return idx, out_s
+    return _decode(top_key, top_id, k)
 
 
 def exact_topk(scores: Array, k: int, *, valid=None):

@@ -152,3 +152,14 @@ def test_hint_witnesses_raise_tau_and_never_change_the_answer(inp):
     assert np.all(np.asarray(got.stats.tau_seed) >= np.asarray(base.stats.tau_seed))
     with pytest.raises(ValueError, match="hint must have shape"):
         dosa_jax.topk(inp.q, inp.k, inp.w, config=cfg, hint=jnp.zeros((3, 2), jnp.int32))
+
+
+def test_selection_policy_nan_inf_ties_and_pads():
+    from dosa_jax.selection import select_by_position, select_records
+    s = jnp.array([[1.0, 3.0, 3.0, -jnp.inf, jnp.nan, -0.0, 0.0, jnp.inf]])
+    idx, sc = select_by_position(s, 10)
+    assert np.asarray(idx)[0].tolist() == [7, 1, 2, 0, 5, 6, 3, -1, -1, -1]  # NaN (4) never selected
+    assert np.asarray(sc)[0, 6] == -np.inf and np.asarray(idx)[0, 6] == 3   # a real -inf keeps its index
+    ids = jnp.array([[7, 6, 5, 4, 3, 2, 1, 0]])
+    idx, _ = select_records(s, ids, 10)
+    assert np.asarray(idx)[0].tolist() == [0, 5, 6, 7, 1, 2, 4, -1, -1, -1]  # ties: smaller id first

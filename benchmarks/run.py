@@ -1,0 +1,348 @@
+"""One command that checks, then times, every indexer path on the GPU (SPEC §14).
+
+    python -m benchmarks.run --shapes prefill_T4k_N128k_H32,prefill_T16k_N1024k_H32 \
+        --out $OUT [--data structured|gaussian] [--sections peak,mma,select,shapes]
+
+For each named shape (``benchmarks.shapes``), in the same process:
+correctness first (DoSA-pallas vs dense-pallas bitwise; both vs the XLA
+baseline's indices), then the median of ≥ 10 timed runs after warm-up
+(``block_until_ready`` around each call) of
+(a) the XLA baseline — jnp scoring (bf16 operands, float32 accumulation,
+    chunked over queries) + ``lax.top_k``;
+(b) the dense fused Pallas indexer (bf16 MMA; the fp8-MMA variant too);
+(c) DoSA with ``backend="pallas"``;
+plus ``exact_topk`` vs ``lax.top_k`` on [256, 1M] rows and the XLA fp8/bf16
+matmul peak. Inputs are never zeros. Writes ``bench.md`` and ``bench.json``
+to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from benchmarks.shapes import QUICK, SHAPES
+
+
+#: Seeds per query for the DoSA runs (Config.seed_size): 8·K, τ close to τ* on the
+#: structured data (the default 2·K gives τ ≈ the median seed score there).
+BENCH_SEEDS = 16384
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def timeit(fn, *args, warmup=2, iters=10):
+    """Median wall time (s) of ``fn(*args)`` with block_until_ready, after warm-up."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts), ts
+
+
+# ------------------------------------------------------------------ peaks
+
+def peak_section(res):
+    n = 8192
+    key = jax.random.PRNGKey(0)
+    a = jax.random.normal(key, (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32)
+    out = {}
+    for name, dt in (("fp8", jnp.float8_e4m3fn), ("bf16", jnp.bfloat16)):
+        x, y = a.astype(dt), b.astype(dt)
+        f = jax.jit(lambda x, y: jnp.dot(x, y.T, preferred_element_type=jnp.float32)
+                    if dt == jnp.float8_e4m3fn else jnp.dot(x, y.T))
+        t, _ = timeit(f, x, y, warmup=3, iters=20)
+        out[f"matmul_{name}_tflops"] = 2 * n ** 3 / t / 1e12
+    big = jax.random.normal(key, (1 << 28,), jnp.float32)
+    t, _ = timeit(jax.jit(lambda x: x * 1.0001), big, iters=20)
+    out["copy_TBps"] = 2 * big.size * 4 / t / 1e12
+    res["peak"] = out
+    log("peak", out)
+
+
+def mma_section(res):
+    from benchmarks.mma_error import measure
+    res["mma_error"] = {str(jnp.dtype(d)): measure(d) for d in (jnp.bfloat16, jnp.float8_e4m3fn)}
+    log("mma_error", json.dumps(res["mma_error"]))
+
+
+def select_section(res, T=256, M=1 << 20, k=2048):
+    from dosa_jax.selection import exact_topk as ref_topk
+    from pallas_kernels.select import exact_topk
+    x = jax.random.normal(jax.random.PRNGKey(3), (T, M), jnp.float32)
+    f_ref = jax.jit(lambda x: ref_topk(x, k))
+    f_new = jax.jit(lambda x: exact_topk(x, k))
+    f_lax = jax.jit(lambda x: lax.top_k(x, k))
+    i1, s1 = f_ref(x)
+    i2, s2 = f_new(x)
+    ok = bool(jnp.all(i1 == i2) & jnp.all(s1 == s2))
+    # ties and NaN: a harder row set
+    y = jnp.round(x * 4) / 4
+    y = y.at[:, ::97].set(jnp.nan)
+    j1, t1 = f_ref(y)
+    j2, t2 = f_new(y)
+    ok_ties = bool(jnp.all(j1 == j2) & jnp.all(t1 == t2))
+    t_lax, _ = timeit(f_lax, x)
+    t_ref, _ = timeit(f_ref, x)
+    t_new, _ = timeit(f_new, x)
+    res["select"] = dict(shape=[T, M], k=k, equal=ok, equal_ties_nan=ok_ties,
+                         lax_top_k_ms=t_lax * 1e3, reference_ms=t_ref * 1e3,
+                         pallas_ms=t_new * 1e3, speedup_vs_lax=t_lax / t_new)
+    log("select", res["select"])
+
+
+# ------------------------------------------------------------------ shapes
+
+def make_inputs(shape, data: str, seed=0):
+    from dosa_jax import synthetic
+    gen = getattr(synthetic, data)
+    inp = gen(T=shape.T, N=shape.N, H=shape.H, D=shape.D, seed=seed, causal=shape.causal,
+              key_dtype="float8_e4m3fn", query_dtype="bfloat16")
+    return inp
+
+
+def xla_baseline(q, k, w, k_scale, lo, hi, K, chunk):
+    """jnp scoring (bf16 operands, f32 accumulation) + lax.top_k, chunked over queries."""
+    T, H, D = q.shape
+    N = k.shape[0]
+    kb = k.astype(jnp.bfloat16)
+    ids = jnp.arange(N, dtype=jnp.int32)[None, :]
+
+    def one(args):
+        qc, wc, loc, hic = args
+        x = jnp.einsum("thd,nd->thn", qc.astype(jnp.bfloat16), kb,
+                       preferred_element_type=jnp.float32)
+        s = jnp.einsum("thn,th->tn", jnp.maximum(x, 0.0), wc) * k_scale[None, :]
+        s = jnp.where((ids >= loc[:, None]) & (ids < hic[:, None]), s, -jnp.inf)
+        return lax.top_k(s, K)
+
+    n = T // chunk
+    sp = lambda a: a.reshape((n, chunk) + a.shape[1:])
+    v, i = lax.map(one, (sp(q), sp(w), sp(lo), sp(hi)))
+    return i.reshape(T, K), v.reshape(T, K)
+
+
+def workspace_bytes(det, T, K, BK=64):
+    from pallas_kernels.dense import capacity_for
+    S = det["splits"]
+    C = capacity_for(K, BK)
+    G4 = -(-T // 4)
+    surv = G4 * S * det["Cs"] * 4
+    records = T * S * C * 8
+    from pallas_kernels.pipeline import seed_capacity
+    seeds = T * capacity_for(K, BK, seed_capacity(K, BK)) * 8 + G4 * det["seeds_list"] * 4
+    return dict(survivor_lists=surv, records=records, seeds=seeds,
+                total=surv + records + seeds)
+
+
+def shape_section(res, shape, data, iters, with_xla=True):
+    from dosa_jax.config import Config
+    from pallas_kernels import dense as dense_mod
+    from pallas_kernels import pipeline
+    out = dict(shape=shape._asdict(), data=data)
+    t0 = time.time()
+    inp = make_inputs(shape, data)
+    q, k, w, sc, lo, hi = inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi
+    jax.block_until_ready((q, k, w, sc))
+    out["input_s"] = time.time() - t0
+    K = shape.K
+    cfg = Config(top_k=K, backend="pallas", seed_size=BENCH_SEEDS)
+    visible = int(jnp.sum(hi - lo))
+    flops = 2.0 * shape.H * shape.D * visible
+    out["flops"] = flops
+
+    f_dosa = jax.jit(lambda *a: pipeline.dosa_topk(*a, cfg))
+    f_dense = jax.jit(lambda *a: pipeline.dense_topk(*a, cfg))
+    f_dense8 = jax.jit(lambda q, *a: dense_mod.dense_topk(q.astype(jnp.float8_e4m3fn), *a, cfg,
+                                                        mma_dtype=jnp.float8_e4m3fn))
+    chunk = max(1, min(shape.T, (1 << 29) // (shape.H * shape.N)))
+    f_xla = jax.jit(lambda q, k, w, sc, lo, hi: xla_baseline(q, k, w, sc, lo, hi, K, chunk))
+    args = (q, k, w, sc, lo, hi)
+
+    # correctness first
+    di, ds, st = f_dosa(*args)
+    ei, es = f_dense(*args)
+    out["dosa_eq_dense_indices"] = bool(jnp.all(di == ei))
+    out["dosa_eq_dense_scores"] = bool(jnp.all((ds == es) | (jnp.isnan(ds) & jnp.isnan(es))))
+    surv = np.asarray(st.survivors, np.float64)
+    vis = np.asarray(st.visible, np.float64)
+    out["survival"] = float(surv.sum() / max(vis.sum(), 1))
+    tau = np.asarray(st.tau_seed, np.float64)
+    taus = np.asarray(st.tau_final, np.float64)
+    okr = np.isfinite(tau) & np.isfinite(taus) & (taus > 0)
+    out["tau_over_tau_star"] = float(np.median(tau[okr] / taus[okr])) if okr.any() else None
+    out["recoveries"] = int(np.asarray(st.recoveries).sum())
+    out["pruning_queries"] = int(np.asarray(st.pruning).sum())
+    out["budget_mean"] = float(np.asarray(st.budget).mean())
+    S = dense_mod.default_splits(shape.T, shape.N, 4, 64)
+    out["workspace"] = workspace_bytes(
+        dict(splits=S, Cs=pipeline.survivor_capacity(shape.N, shape.T, S, K),
+             seeds_list=-(-(cfg.seeds() + 64) // 64) * 64), shape.T, K)
+    if with_xla:
+        xi, xs = f_xla(*args)
+        # indices agree except where the k-th score gap is within the scorer difference
+        agree = jnp.mean(jnp.sort(xi, axis=1) == jnp.sort(ei, axis=1))
+        out["xla_index_agreement"] = float(agree)
+        out["xla_max_score_diff"] = float(jnp.max(jnp.abs(jnp.where(jnp.isfinite(xs), xs, 0)
+                                                          - jnp.where(jnp.isfinite(es), es, 0))))
+    log(shape.name, "correctness", {k_: v for k_, v in out.items() if k_ != "shape"})
+
+    times = {}
+    times["dense_pallas"], _ = timeit(f_dense, *args, iters=iters)
+    times["dosa_pallas"], _ = timeit(f_dosa, *args, iters=iters)
+    if shape.N <= 131072:   # the fp8-MMA variant is a throughput probe; skipped at 1M (time)
+        try:
+            times["dense_pallas_fp8mma"], _ = timeit(f_dense8, *args, iters=iters)
+        except Exception as e:  # noqa: BLE001
+            out["fp8mma_error"] = repr(e)[:300]
+    if with_xla:
+        times["xla_baseline"], _ = timeit(f_xla, *args, warmup=1, iters=iters)
+    out["times_ms"] = {k_: v * 1e3 for k_, v in times.items()}
+    out["tflops"] = {k_: flops / v / 1e12 for k_, v in times.items()}
+    if with_xla:
+        out["dosa_vs_xla"] = times["xla_baseline"] / times["dosa_pallas"]
+        out["dense_vs_xla"] = times["xla_baseline"] / times["dense_pallas"]
+    out["dosa_vs_dense"] = times["dense_pallas"] / times["dosa_pallas"]
+    log(shape.name, "times", out["times_ms"], "tflops", out["tflops"])
+    res.setdefault("shapes", {})[shape.name] = out
+
+
+def sweep_section(res, shape, data, iters):
+    """Dense scan tile configurations (time + bitwise agreement with the default tile)."""
+    from dosa_jax.config import Config
+    from pallas_kernels import dense as dense_mod
+    inp = make_inputs(shape, data)
+    args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)
+    cfg = Config(top_k=shape.K)
+    flops = 2.0 * shape.H * shape.D * int(jnp.sum(inp.hi - inp.lo))
+    base = None
+    out = {}
+    for bq, bk, nw, ns in ((4, 64, 4, 2), (8, 64, 8, 2), (16, 64, 8, 2)):
+        tiles = dense_mod.Tiles(BQ=bq, BK=bk, num_warps=nw, num_stages=ns)
+        name = f"BQ{bq}_BK{bk}_w{nw}_s{ns}"
+        try:
+            f = jax.jit(lambda *a, t=tiles: dense_mod.dense_topk(*a, cfg, tiles=t))
+            i, sc = f(*args)
+            if base is None:
+                base = (i, sc)
+            same = bool(jnp.all(i == base[0]) & jnp.all(sc == base[1]))
+            t, _ = timeit(f, *args, iters=iters)
+            out[name] = dict(ms=t * 1e3, tflops=flops / t / 1e12, bitwise_same_as_first=same)
+        except Exception as e:  # noqa: BLE001
+            out[name] = dict(error=repr(e)[:400])
+        log("sweep", name, out[name])
+    res["sweep"] = dict(shape=shape.name, configs=out)
+
+
+# ------------------------------------------------------------------ report
+
+def write_report(res, path):
+    lines = [f"# DoSA Pallas benchmark ({res['date']})", "",
+             f"device: {res['device']}; jax {res['jax']}; commit {res['commit']}; "
+             f"DoSA config: Config(top_k=2048, seed_size={BENCH_SEEDS}), budgets capped to 2^j-1", ""]
+    if "peak" in res:
+        p = res["peak"]
+        lines += [f"XLA matmul 8192^3: fp8 {p['matmul_fp8_tflops']:.0f} TFLOP/s, "
+                  f"bf16 {p['matmul_bf16_tflops']:.0f} TFLOP/s; copy {p['copy_TBps']:.2f} TB/s", ""]
+    if "select" in res:
+        s = res["select"]
+        lines += [f"exact_topk {s['shape']} k={s['k']}: pallas {s['pallas_ms']:.2f} ms, "
+                  f"lax.top_k {s['lax_top_k_ms']:.2f} ms ({s['speedup_vs_lax']:.1f}x), "
+                  f"equal={s['equal']}, equal(ties/NaN)={s['equal_ties_nan']}", ""]
+    if "shapes" in res:
+        lines += ["| shape | data | XLA ms | dense ms | dense fp8-MMA ms | DoSA ms | DoSA/XLA | "
+                  "DoSA/dense | dense TFLOP/s | survival | tau/tau* | recov | workspace GiB | "
+                  "dosa==dense |", "|" + "---|" * 14]
+        for name, o in res["shapes"].items():
+            t = o.get("times_ms", {})
+            g = lambda k_: f"{t[k_]:.1f}" if k_ in t else "-"
+            lines.append(
+                f"| {name} | {o['data']} | {g('xla_baseline')} | {g('dense_pallas')} | "
+                f"{g('dense_pallas_fp8mma')} | {g('dosa_pallas')} | "
+                f"{o.get('dosa_vs_xla', float('nan')):.1f} | {o.get('dosa_vs_dense', float('nan')):.2f} | "
+                f"{o.get('tflops', {}).get('dense_pallas', float('nan')):.0f} | "
+                f"{o['survival']:.3f} | {o['tau_over_tau_star']} | {o['recoveries']} | "
+                f"{o['workspace']['total'] / 2 ** 30:.2f} | "
+                f"{o['dosa_eq_dense_indices'] and o['dosa_eq_dense_scores']} |")
+    if "sweep" in res:
+        lines += ["", f"dense tile sweep on {res['sweep']['shape']}:"]
+        for name, o in res["sweep"]["configs"].items():
+            lines.append(f"- {name}: " + (f"{o['ms']:.2f} ms, {o['tflops']:.0f} TFLOP/s, "
+                                          f"bitwise same as first: {o['bitwise_same_as_first']}"
+                                          if "ms" in o else o["error"]))
+    if "mma_error" in res:
+        lines += ["", "MMA dot error (max over pairs of |err| / sum|a_j b_j|):"]
+        for dt, d in res["mma_error"].items():
+            for kind, m in d.items():
+                lines.append(f"- {dt} {kind}: max {m['max_rel']:.3e} (model γ {m['model_gamma']:.3e}, "
+                             f"within: {m['within_model']}), pairs {m['pairs']}")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=",".join(QUICK))
+    ap.add_argument("--data", default="structured")
+    ap.add_argument("--sections", default="peak,mma,select,shapes")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--no-xla", action="store_true")
+    ap.add_argument("--sweep-shape", default="prefill_T4k_N128k_H32")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args(argv)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip() or "uncommitted"
+    except Exception:  # noqa: BLE001
+        commit = "unknown"
+    res = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), jax=jax.__version__,
+               device=str(jax.devices()[0].device_kind), commit=commit, errors={})
+    secs = a.sections.split(",")
+    jobs = []
+    if "mma" in secs:
+        jobs.append(("mma", lambda: mma_section(res)))
+    if "select" in secs:
+        jobs.append(("select", lambda: select_section(res)))
+    if "shapes" in secs:
+        for name in a.shapes.split(","):
+            if name:
+                jobs.append((name, lambda n=name: shape_section(res, SHAPES[n], a.data, a.iters,
+                                                                not a.no_xla)))
+    if "sweep" in secs:
+        jobs.append(("sweep", lambda: sweep_section(res, SHAPES[a.sweep_shape], a.data, a.iters)))
+    if "peak" in secs:
+        jobs.append(("peak", lambda: peak_section(res)))
+    for name, job in jobs:
+        t0 = time.time()
+        try:
+            job()
+        except Exception:  # noqa: BLE001
+            res["errors"][name] = traceback.format_exc()[-3000:]
+            log("ERROR in", name, res["errors"][name])
+        log(f"[{name}] {time.time() - t0:.1f}s")
+        with open(os.path.join(a.out, "bench.json"), "w") as f:
+            json.dump(res, f, indent=1, default=str)
+        write_report(res, os.path.join(a.out, "bench.md"))
+    log(open(os.path.join(a.out, "bench.md")).read())
+    return 0 if not res["errors"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Shared pieces of the Pallas kernels: backend choice, MMA operands, tile sizes.
+
+Every kernel in this package is a Pallas **Triton** kernel
+(``jax.experimental.pallas.triton.CompilerParams``), chosen from measurement:
+the DoSA stages need forward ``cumsum`` (survivor compaction), masked stores
+at computed positions and gathers by integer arrays (refinement), which
+Triton lowers on the H200 and Mosaic GPU does not (SPEC §13, measured by the
+team); Triton's tiles do reach the Hopper tensor cores — compiled for sm_90
+(Triton 3.6), the dense, screen, refine and seed kernels issue ``wgmma``
+with ``cp.async``-pipelined key loads (checked in their TTGIR/PTX). Mosaic GPU
+(wgmma + TMA + warp specialisation) remains the route to a faster dense
+epilogue; it would need the compaction done outside the kernel. On a machine
+without a GPU the same kernels run with ``interpret=True`` (CI).
+
+MMA operands (``mma_pieces``): the tensor cores multiply bf16 tiles with
+float32 accumulation. float8_e4m3fn and bfloat16 values are exact in bf16, so
+they are fed as one piece; float32/float16 values are split into two bf16
+pieces ``x ≈ hi + lo`` (``|x − hi − lo| ≤ 2^-16 |x|``) and a dot becomes
+``hi·hi + hi·lo + lo·hi`` (three MMAs, fixed order). The representation error
+is part of the kernels' error coefficient (:mod:`pallas_kernels.numerics`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from dosa_jax.selection import INT32_MIN
+
+Array = jax.Array
+
+#: Order key meaning "accept every eligible score" (one above the NaN key).
+THETA_NONE = int(INT32_MIN) + 1
+#: Bits of a survivor id; the bits above carry the per-query survival mask.
+ID_BITS = 27
+ID_MASK = (1 << ID_BITS) - 1
+MAX_KEYS = 1 << ID_BITS
+
+BF16 = jnp.dtype(jnp.bfloat16)
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
+
+
+def on_gpu() -> bool:
+    """Whether the default device is a CUDA/ROCm GPU (jax 0.10 says "gpu", 0.11 may say "cuda")."""
+    try:
+        return jax.devices()[0].platform in ("gpu", "cuda", "rocm")
+    except RuntimeError:  # pragma: no cover
+        return False
+
+
+def interpret_default() -> bool:
+    """Run kernels in interpret mode unless the default device is a GPU."""
+    return not on_gpu()
+
+
+def compiler_params(num_warps: int = 4, num_stages: int = 2):
+    """Triton compiler parameters (selects the Triton backend in jax >= 0.11)."""
+    from jax.experimental.pallas import triton as plgpu
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-int(x) // m) * m
+
+
+def cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def mma_pieces(x: Array, mma_dtype=BF16) -> Array:
+    """Stack of MMA operand pieces [P, ...] whose sum represents ``x``.
+
+    bf16/fp8 inputs (and fp8 inputs when ``mma_dtype`` is fp8): one exact piece.
+    float32/float16: hi = bf16(x), lo = bf16(x − hi).
+    """
+    mma_dtype = jnp.dtype(mma_dtype)
+    dt = jnp.dtype(x.dtype)
+    if mma_dtype == FP8:
+        if dt != FP8:
+            raise TypeError(f"mma_dtype=float8_e4m3fn needs float8_e4m3fn operands, got {dt}")
+        return x[None]
+    if dt == BF16:
+        return x[None]
+    if dt == FP8:
+        return x[None]   # exact in bf16: converted inside the kernel (half the bytes read)
+    xf = x.astype(jnp.float32)
+    hi = xf.astype(BF16)
+    lo = (xf - hi.astype(jnp.float32)).astype(BF16)
+    return jnp.stack([hi, lo])
+
+
+def as_mma_operand(x, fp8_mma: bool = False):
+    """In-kernel cast of a stored piece to the MMA operand dtype (exact for fp8 -> bf16)."""
+    want = FP8 if fp8_mma else BF16
+    return x if jnp.dtype(x.dtype) == want else x.astype(want)
+
+
+def piece_pairs(n_left: int, n_right: int):
+    """(left piece, right piece) products summed by a split dot, in a fixed order."""
+    pairs = [(0, 0)]
+    if n_right > 1:
+        pairs.append((0, 1))
+    if n_left > 1:
+        pairs.append((1, 0))
+    return tuple(pairs)
+
+
+def pieces_value(pieces: Array) -> Array:
+    """float32 value represented by MMA pieces (the kernels' operand)."""
+    v = pieces[0].astype(jnp.float32)
+    for p in range(1, pieces.shape[0]):
+        v = v + pieces[p].astype(jnp.float32)
+    return v
+
+
+def pad_axis(x: Array, axis: int, size: int, value=0):
+    if x.shape[axis] == size:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad, constant_values=value)
+
+
+# ---- in-kernel helpers (pure jnp on values; lower in Triton and interpret mode) ----
+
+def kernel_order_key(s: Array) -> Array:
+    """Monotone int32 key of float32 scores inside a kernel (NaN -> INT32_MIN).
+
+    Same map as :func:`dosa_jax.selection.order_key`; -0.0 is expected to be
+    canonicalised before (``s == 0 -> +0``).
+    """
+    bits = lax.bitcast_convert_type(s, jnp.int32)
+    key = jnp.where(bits >= 0, bits, bits ^ jnp.int32(0x7FFFFFFF))
+    return jnp.where(s != s, jnp.int32(INT32_MIN), key)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(msg: str):  # pragma: no cover - diagnostics only
+    import warnings
+    warnings.warn(msg)

@@ -1,0 +1,258 @@
+"""The dense fused indexer (Pallas Triton) and its jnp twin — ``dense_topk`` on the GPU.
+
+Full-head scoring of every visible key with an online threshold filter and
+compact writeback, never materialising the [T, N] score matrix (the analogue
+of the paper's LiteTopK baseline; SPEC §14 (b)). Grid: (query groups of
+``BQ``, key splits ``S``). A program loads its ``BQ·H`` query rows once, walks
+its key tiles (``BK`` keys, contiguous loads), scores them with the shared
+:func:`pallas_kernels.scoring.score_tile`, and appends records whose order key
+clears its running threshold into its per-query buffers
+(:mod:`pallas_kernels.records`: online K-th-largest threshold, in-place
+compaction, no candidate ever dropped). Exact selection of the records
+(score desc, id asc) finishes ``dense_topk``.
+
+Backend: Triton, because the epilogue needs ``cumsum`` and masked stores at
+computed positions (SPEC §13); Mosaic GPU has neither. The same kernel serves
+the DoSA recovery path (``theta0 = τ``, survivors of a failed screen).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from dosa_jax.selection import INT32_MIN, order_key, select_by_position
+from pallas_kernels import records as rec
+from pallas_kernels.common import (THETA_NONE, compiler_params, interpret_default, mma_pieces,
+                                   next_pow2, piece_pairs, pad_axis, round_up, kernel_order_key)
+from pallas_kernels.scoring import score_reference, score_tile
+
+Array = jax.Array
+
+
+class Tiles(NamedTuple):
+    """Static tile configuration of the scoring kernels (dense, refine, seeds).
+
+    Dense and refinement must use the *same* ``BQ``, ``BK`` and ``num_warps``
+    so that their scores agree bitwise.
+    """
+
+    BQ: int = 4          # queries per program (refinement group size, paper Sec. 3)
+    BK: int = 64         # keys per tile
+    CH: int = 512        # record slots per pass of the threshold search
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+class Candidates(NamedTuple):
+    """Record buffers of a scoring scan ([T, S, C] / [T, S])."""
+
+    key: Array      # int32 order keys
+    ids: Array      # int32 key ids
+    count: Array    # int32 valid records per (query, split)
+    theta: Array    # int32 order key: final threshold (≤ τ* when ≥ K witnesses were held)
+    appended: Array  # int32 records appended (work statistic)
+
+
+class Operands(NamedTuple):
+    """Kernel-ready operands: MMA pieces and padded shapes."""
+
+    q: Array        # [Pq, Tpad*Hp, Dp]
+    w: Array        # [Tpad*Hp] float32
+    k: Array        # [Pk, N, Dp]
+    scale: Array    # [N] float32
+    T: int
+    H: int          # padded heads Hp
+    pairs: tuple
+    fp8_mma: bool = False
+
+
+def prepare_operands(q, w, k, k_scale, BQ: int, mma_dtype=jnp.bfloat16) -> Operands:
+    """Pieces, pads (heads to a power of two with zero weights, D to ≥ 16, T to BQ)."""
+    T, H, D = q.shape
+    Hp = next_pow2(max(H, 1))
+    while BQ * Hp < 16:
+        Hp *= 2
+    Dp = max(16, next_pow2(D))
+    Tpad = round_up(max(T, 1), BQ)
+    qp = mma_pieces(q, mma_dtype)
+    kp = mma_pieces(k, mma_dtype)
+    qp = pad_axis(pad_axis(pad_axis(qp, 3, Dp), 2, Hp), 1, Tpad)
+    kp = pad_axis(kp, 2, Dp)
+    wp = pad_axis(pad_axis(w.astype(jnp.float32), 1, Hp), 0, Tpad)
+    scale = (jnp.ones((k.shape[0],), jnp.float32) if k_scale is None
+             else k_scale.astype(jnp.float32))
+    return Operands(q=qp.reshape(qp.shape[0], Tpad * Hp, Dp), w=wp.reshape(Tpad * Hp), k=kp,
+                    scale=scale, T=T, H=Hp, pairs=piece_pairs(qp.shape[0], kp.shape[0]),
+                    fp8_mma=jnp.dtype(mma_dtype) == jnp.dtype(jnp.float8_e4m3fn))
+
+
+def _group_range(lo, hi):
+    """Union [klo, khi) of the non-empty ranges of a query group."""
+    nonempty = hi > lo
+    klo = jnp.min(jnp.where(nonempty, lo, jnp.int32(2 ** 31 - 1)))
+    khi = jnp.max(jnp.where(nonempty, hi, 0))
+    return klo, khi
+
+
+def _dense_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, H: int, N: int, S: int, C: int, K: int,
+                  pairs, fp8_mma: bool, interpret: bool):
+    q_refs, (w_ref, lo_ref, hi_ref, th_ref), k_refs, (sc_ref,), outs = (
+        refs[:Pq], refs[Pq:Pq + 4], refs[Pq + 4:Pq + 4 + Pk], refs[Pq + 4 + Pk:Pq + 5 + Pk],
+        refs[Pq + 5 + Pk:])
+    rk_ref, ri_ref, cnt_ref, tho_ref, app_ref = outs
+    BQ, BK, CH = tiles.BQ, tiles.BK, tiles.CH
+    g = pl.program_id(0)
+    s = pl.program_id(1)
+    size = rk_ref.shape[0]
+    qp = [q_ref[pl.ds(g * BQ * H, BQ * H), :] for q_ref in q_refs]
+    wv = w_ref[pl.ds(g * BQ * H, BQ * H)]
+    lo = lo_ref[pl.ds(g * BQ, BQ)]
+    hi = hi_ref[pl.ds(g * BQ, BQ)]
+    theta0 = th_ref[pl.ds(g * BQ, BQ)]
+    t_ids = g * BQ + jnp.arange(BQ, dtype=jnp.int32)
+    base = (t_ids * S + s) * C
+
+    klo, khi = _group_range(lo, hi)
+    tile0 = klo // BK
+    ntile = jnp.maximum((khi + BK - 1) // BK - tile0, 0)
+    per = (ntile + S - 1) // S
+    start = tile0 + s * per
+    stop = jnp.minimum(start + per, tile0 + ntile)
+    lanes = jnp.arange(BK, dtype=jnp.int32)
+
+    def tile(j, state):
+        ids = j * BK + lanes
+        inb = ids < N
+        kp = [k_ref[pl.ds(j * BK, BK), :] for k_ref in k_refs] if N % BK == 0 else [
+            rec._plgpu().load(k_ref.at[pl.ds(j * BK, BK), :], mask=inb[:, None])
+            for k_ref in k_refs]
+        scale = rec._plgpu().load(sc_ref.at[pl.ds(j * BK, BK)], mask=inb, other=1.0)
+        sc = score_tile(qp, wv, kp, scale, BQ=BQ, H=H, pairs=pairs, fp8_mma=fp8_mma)
+        key = kernel_order_key(sc)
+        idb = jnp.broadcast_to(ids[None, :], (BQ, BK))
+        elig = (idb >= lo[:, None]) & (idb < hi[:, None]) & (key != INT32_MIN)
+        count, theta, strict = state
+        count, n = rec.append(rk_ref, ri_ref, base, count, rec.theta_accept(theta, strict),
+                              key, idb, elig, C=C, size=size)
+        return (count, theta, strict), n
+
+    state, appended = rec.scan_tiles(start, stop, tile, theta0, rk_ref, ri_ref, base, K, C=C,
+                                     BK=BK, CH=CH, size=size, interpret=interpret)
+    count, theta, _ = state
+    oidx = t_ids * S + s
+    cnt_ref[oidx] = count
+    tho_ref[oidx] = theta
+    app_ref[oidx] = appended
+
+
+def capacity_for(K: int, BK: int, capacity=None) -> int:
+    """Record slots per (query, split).
+
+    At least K + BK, so that a compaction (to K records) always frees room for
+    the next tile; by default K + K/2 + BK, so that a compaction happens only
+    after ≥ K/2 new records (a scan from θ = −∞ over N keys compacts about
+    2·ln(N/K) times). With exactly K + BK every tile that appends anything
+    after the first fill triggers a compaction: correct, but it made the first
+    H200 runs ~20× slower than the XLA baseline (BENCHMARKS.md).
+    """
+    c = max(K + BK, capacity if capacity is not None else K + K // 2 + BK)
+    return round_up(c, 16)
+
+
+@functools.partial(jax.jit, static_argnames=("K", "splits", "capacity", "tiles", "interpret",
+                                             "T", "H", "pairs", "fp8_mma"))
+def _dense_call(q, w, lo, hi, theta0, k, scale, *, K, splits, capacity, tiles, interpret,
+                T, H, pairs, fp8_mma):
+    BQ = tiles.BQ
+    Tpad = lo.shape[0]
+    G = Tpad // BQ
+    S = splits
+    C = capacity
+    N = k.shape[1]
+    size = Tpad * S * C
+    kern = functools.partial(_dense_kernel, Pq=q.shape[0], Pk=k.shape[0], tiles=tiles, H=H, N=N, S=S, C=C, K=K, pairs=pairs,
+                             fp8_mma=fp8_mma, interpret=interpret)
+    i32 = jnp.int32
+    out_shape = (jax.ShapeDtypeStruct((size,), i32), jax.ShapeDtypeStruct((size,), i32),
+                 jax.ShapeDtypeStruct((Tpad * S,), i32), jax.ShapeDtypeStruct((Tpad * S,), i32),
+                 jax.ShapeDtypeStruct((Tpad * S,), i32))
+    rk, ri, cnt, th, app = pl.pallas_call(
+        kern, out_shape=out_shape, grid=(G, S),
+        compiler_params=compiler_params(tiles.num_warps, tiles.num_stages),
+        interpret=interpret, name="dosa_dense_scan")(*q, w, lo, hi, theta0, *k, scale)
+    return Candidates(rk.reshape(Tpad, S, C)[:T], ri.reshape(Tpad, S, C)[:T],
+                      cnt.reshape(Tpad, S)[:T], th.reshape(Tpad, S)[:T],
+                      app.reshape(Tpad, S)[:T])
+
+
+def dense_candidates(ops: Operands, lo, hi, theta0, K: int, *, splits: int = 1, capacity=None,
+                     tiles: Tiles = Tiles(), interpret=None) -> Candidates:
+    """Run the dense scan: records holding every key of the exact Top-K of each query.
+
+    Args:
+      ops: :func:`prepare_operands` output.
+      lo, hi: [T] int32 visible ranges (clipped); theta0: [T] int32 initial order-key
+        threshold (``THETA_NONE``: none; a valid lower bound on τ* otherwise).
+    """
+    if interpret is None:
+        interpret = interpret_default()
+    T = ops.T
+    Tpad = ops.q.shape[1] // ops.H
+    pad = Tpad - T
+    lo = jnp.pad(lo.astype(jnp.int32), (0, pad))
+    hi = jnp.pad(hi.astype(jnp.int32), (0, pad))
+    theta0 = jnp.pad(theta0.astype(jnp.int32), (0, pad), constant_values=THETA_NONE)
+    C = capacity_for(K, tiles.BK, capacity)
+    return _dense_call(ops.q, ops.w, lo, hi, theta0, ops.k, ops.scale, K=K, splits=splits,
+                       capacity=C, tiles=tiles, interpret=interpret, T=T, H=ops.H,
+                       pairs=ops.pairs, fp8_mma=ops.fp8_mma)
+
+
+def default_splits(T: int, N: int, BQ: int, BK: int) -> int:
+    """Key splits so that the grid has enough programs (≥ ~4 per SM of 132) and each split
+    still walks many tiles."""
+    groups = max(1, -(-T // BQ))
+    want = max(1, 528 // groups)
+    max_by_work = max(1, N // (BK * 64))
+    return int(max(1, min(want, max_by_work, 64)))
+
+
+def dense_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), splits=None,
+               mma_dtype=jnp.bfloat16, interpret=None, return_candidates=False):
+    """Exact Top-K by the dense fused Pallas indexer (validated inputs).
+
+    Returns (indices [T, K] int32, scores [T, K] float32) in contract order.
+    """
+    K = config.top_k
+    T = q.shape[0]
+    N = k.shape[0]
+    ops = prepare_operands(q, w, k, k_scale, tiles.BQ, mma_dtype)
+    S = splits or default_splits(T, N, tiles.BQ, tiles.BK)
+    theta0 = jnp.full((T,), THETA_NONE, jnp.int32)
+    cand = dense_candidates(ops, lo, hi, theta0, K, splits=S,
+                            tiles=tiles, interpret=interpret)
+    idx, sc = rec.select_from_records(cand.key, cand.ids, cand.count, K)
+    if return_candidates:
+        return idx, sc, cand
+    return idx, sc
+
+
+def dense_topk_reference(q, k, w, k_scale, lo, hi, config, *, mma_dtype=jnp.bfloat16):
+    """jnp twin of :func:`dense_topk`: the same scoring function (operand pieces, float32
+    accumulation) on the full [T, N] matrix, then exact selection."""
+    qp = mma_pieces(q, mma_dtype)
+    kp = mma_pieces(k, mma_dtype)
+    s = score_reference(qp, w.astype(jnp.float32), kp, k_scale)
+    ids = jnp.arange(k.shape[0], dtype=jnp.int32)[None, :]
+    valid = (ids >= lo[:, None]) & (ids < hi[:, None])
+    return select_by_position(s, config.top_k, valid)
+
+
+__all__ = ["Tiles", "Candidates", "Operands", "prepare_operands", "dense_candidates",
+           "dense_topk", "dense_topk_reference", "capacity_for", "default_splits",
+           "order_key"]

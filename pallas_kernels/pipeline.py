@@ -1,0 +1,228 @@
+"""DoSA on the Pallas kernels (``Config(backend="pallas")``), and the dense path.
+
+Data flows one way (STYLE.md): operands → seeds (refine kernel, τ) → plan
+(``dosa_jax.planner.build_plan``, query side) → screen kernel (U < τ rejects)
+→ refine kernel (s ≥ τ records, online threshold) → recovery of overflowed
+groups (dense kernel with θ₀ = τ) → exact selection of the records.
+
+Exactness: a key leaves only by ``U_kernel < τ`` (screening, where
+``U_kernel ≥ s_kernel`` by the plan plus :mod:`pallas_kernels.numerics`) or
+by ranking below K held records (online threshold, tie order score desc /
+id asc). Every score is produced by :func:`pallas_kernels.scoring.score_tile`
+in a 4-query tile, the same routine and shape as :func:`dense_topk`, so
+``dosa_topk`` and ``dense_topk`` agree bitwise. A survivor list that
+overflows its capacity is detected (its count keeps growing) and its 4
+queries are answered by a full dense scan (counted as an overflow and a
+recovery): no candidate is ever lost.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from dosa_jax import enclosure as enc
+from dosa_jax.bounds.heads import activation_frequencies
+from dosa_jax.pipeline import Stats
+from dosa_jax.planner import build_plan
+from dosa_jax.selection import INT32_MIN, key_to_score
+from pallas_kernels import dense as dense_mod
+from pallas_kernels import numerics as knum
+from pallas_kernels import records as rec
+from pallas_kernels.common import MAX_KEYS, THETA_NONE, round_up
+from pallas_kernels.dense import Tiles, prepare_operands
+from pallas_kernels.refine import group_seed_lists, refine
+from pallas_kernels.screen import prepare_screen, screen
+
+#: Survivor-list budget (entries, int32) over all groups and splits: 1 GiB.
+SURVIVOR_BUDGET = 1 << 28
+#: Keys per query sampled for the planner (activation frequencies, budget choice).
+PLAN_SAMPLE = 128
+
+
+def _check_size(N: int):
+    if N >= MAX_KEYS:
+        raise ValueError(f"backend='pallas' supports N < {MAX_KEYS} keys, got {N}")
+
+
+def survivor_capacity(N: int, T: int, splits: int, K: int, capacity=None) -> int:
+    """Survivor slots per (group of 4, split)."""
+    if capacity is not None:
+        return round_up(max(capacity, 16), 16)
+    span = -(-N // splits)
+    groups = max(1, -(-T // 4))
+    cap = min(max(span // 4, 2 * K), SURVIVOR_BUDGET // (groups * splits))
+    return round_up(max(cap, 256), 16)
+
+
+def seed_sizes(config):
+    """(seeds S, sinks a, local window b) of the group seed lists for the config's strategy."""
+    S0 = config.seeds()
+    a = min(config.sink_size, S0)
+    b = min(int(round(config.local_fraction * S0)), S0 - a)
+    if config.seed_strategy == "local":
+        a, b = 0, S0
+    elif config.seed_strategy == "sinks":
+        a, b = S0, 0
+    elif config.seed_strategy == "strided":
+        a, b = 0, 0
+    return S0, a, b
+
+
+def seed_capacity(K: int, BK: int) -> int:
+    """Record slots of the seed scan (only τ is kept from it): K + 8 tiles."""
+    return K + 8 * BK
+
+
+def screen_friendly(config, H: int):
+    """Budgets r with r + 1 plan rows filling a power of two (no padded MMA rows).
+
+    The screening tile stacks R + A rows per query, padded to a power of two; a
+    budget that is itself a power of two (with A = 1) would double the rows.
+    Correctness holds for any retained set (SPEC §4), so r = 2^j is replaced by
+    2^j − 1.
+    """
+    cap = lambda b: b - 1 if b >= 2 and (b & (b - 1)) == 0 else b
+    if isinstance(config.retained_heads, int):
+        r = min(max(config.retained_heads, 1), max(H - 1, 1))
+        return config.replace(retained_heads=cap(r))
+    return config.replace(budget_candidates=tuple(sorted({cap(b) for b in config.budgets(H)})))
+
+
+def _score_key(theta):
+    """Order-key threshold -> float (THETA_NONE -> -inf)."""
+    return jnp.where(theta > THETA_NONE, key_to_score(theta), -jnp.inf)
+
+
+def _plan_sample(q, k, lists, count, lo, hi, knorm, T: int):
+    """Head dots of PLAN_SAMPLE keys of each group's seed list (XLA, float32) for the planner."""
+    L = lists.shape[-1]
+    j = jnp.arange(PLAN_SAMPLE, dtype=jnp.int32)[None, :]
+    n = count[:, 0][:, None]
+    slot = jnp.minimum((j * jnp.maximum(n, 1)) // PLAN_SAMPLE, L - 1)
+    e = jnp.take_along_axis(lists[:, 0, :], slot, axis=1)
+    ok_g = (j < n) & (e >= 0)
+    ids = jnp.where(ok_g, e & ((1 << 27) - 1), 0)                   # [G4, P]
+    ids_q = jnp.repeat(ids, 4, axis=0)[:T]                           # [T, P]
+    ok_q = jnp.repeat(ok_g, 4, axis=0)[:T]
+    ok_q = ok_q & (ids_q >= lo[:, None]) & (ids_q < hi[:, None])
+
+    def chunk(args):
+        qc, idc = args
+        kk = jnp.take(k, idc, axis=0).astype(jnp.float32)             # [c, P, D]
+        return jnp.einsum("thd,tpd->tph", qc.astype(jnp.float32), kk,
+                          precision=lax.Precision.HIGHEST)
+    c = 256
+    Tp = round_up(T, c)
+    qp = jnp.pad(q, ((0, Tp - T), (0, 0), (0, 0)))
+    ip = jnp.pad(ids_q, ((0, Tp - T), (0, 0)))
+    dots = lax.map(chunk, (qp.reshape(Tp // c, c, *q.shape[1:]), ip.reshape(Tp // c, c, -1)))
+    dots = dots.reshape(Tp, PLAN_SAMPLE, q.shape[1])[:T]
+    return dots, jnp.take(knorm, ids_q), ok_q
+
+
+def dosa_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), splits=None,
+              interpret=None, return_details: bool = False):
+    """Exact DoSA Top-K on the Pallas kernels (validated inputs, as ``dosa_jax.topk``).
+
+    Returns (indices [T, K] int32, scores [T, K] float32, Stats).
+    """
+    K = config.top_k
+    T, H, D = q.shape
+    N = k.shape[0]
+    _check_size(N)
+    config = screen_friendly(config, H)
+    S = splits or dense_mod.default_splits(T, N, tiles.BQ, tiles.BK)
+    ops = prepare_operands(q, w, k, k_scale, tiles.BQ)
+    Tpad4 = ops.q.shape[1] // ops.H
+    G4 = Tpad4 // 4
+    lo = lo.astype(jnp.int32)
+    hi = hi.astype(jnp.int32)
+
+    # 1. seeds: τ = K-th largest seed score (Eq. 2), scored by the shared routine
+    S0, a, b = seed_sizes(config)
+    lists, lcount, n_seeds = group_seed_lists(lo, hi, Tpad4, S0, a, b, tiles.BK)
+    seeds = refine(ops, lists, lcount, jnp.full((T,), THETA_NONE, jnp.int32), K,
+                   capacity=seed_capacity(K, tiles.BK), tiles=tiles, final_threshold=True,
+                   interpret=interpret)
+    tau_key = seeds.theta[:, 0]
+    have_tau = seeds.count[:, 0] >= K
+    tau = jnp.where(have_tau, _score_key(tau_key), -jnp.inf)
+
+    # 2. plan (query side) + this backend's arithmetic allowance
+    knorm = enc.key_norm_upper(k)
+    dots, snorm, svalid = _plan_sample(q, k, lists, lcount, lo, hi, knorm, T)
+    p = jax.vmap(activation_frequencies)(dots, svalid)
+    plan, _, budget = build_plan(q.astype(jnp.float32), w, p, config, sample_dots=dots,
+                                 sample_norms=snorm, sample_valid=svalid, tau=tau)
+    coef = knum.kernel_coefficient(q, w, plan, k.dtype)
+    if k_scale is None:
+        bad_scale = jnp.zeros((T,), bool)
+    else:
+        bad = (~enc.scale_is_valid(k_scale)).astype(jnp.int32)
+        prefix = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(bad, dtype=jnp.int32)])
+        bad_scale = (prefix[hi] - prefix[lo]) > 0
+    prune = (plan.prune & have_tau & ~bad_scale & jnp.isfinite(coef) & jnp.isfinite(tau)
+             & jnp.isfinite(plan.eps_raw))
+    theta_tau = jnp.where(prune, tau_key, THETA_NONE)
+
+    # 3. screen
+    Dp = ops.k.shape[-1]
+    sops = prepare_screen(plan.rows, plan.row_weights, plan.aggregate, plan.aggregate_linear,
+                          coef, plan.eps_raw, tau, prune, Dp)
+    Cs = survivor_capacity(N, T, S, K, config.capacity)
+    surv = screen(sops, lo, hi, ops.k, knorm, ops.scale, splits=S, capacity=Cs, BK=tiles.BK,
+                  interpret=interpret)
+    slists, scount = surv.packed[:G4], surv.count[:G4]
+    overflow_g = jnp.any(scount > slists.shape[-1], axis=1)
+
+    # 4. refine survivors: s ≥ τ records, online threshold
+    cand = refine(ops, slists, scount, theta_tau, K, tiles=tiles, interpret=interpret)
+
+    # 5. recovery: overflowed groups are scanned densely from θ₀ = τ (exact, counted)
+    recover = jnp.repeat(overflow_g, 4)[:T]
+
+    def recover_fn(c):
+        rlo = jnp.where(recover, lo, 0)
+        rhi = jnp.where(recover, hi, 0)
+        d = dense_mod.dense_candidates(ops, rlo, rhi, theta_tau, K, splits=S, tiles=tiles,
+                                       interpret=interpret)
+        sel = recover[:, None, None]
+        return dense_mod.Candidates(jnp.where(sel, d.key, c.key), jnp.where(sel, d.ids, c.ids),
+                              jnp.where(recover[:, None], d.count, c.count),
+                              jnp.where(recover[:, None], d.theta, c.theta),
+                              jnp.where(recover[:, None], d.appended, c.appended))
+
+    cand = lax.cond(jnp.any(recover), recover_fn, lambda c: c, cand)
+
+    # 6. exact selection
+    idx, sc = rec.select_from_records(cand.key, cand.ids, cand.count, K)
+    n_vis = hi - lo
+    kth = idx[:, K - 1] >= 0
+    rint = recover.astype(jnp.int32)
+    survivors = jnp.sum(surv.per_query, axis=1)
+    stats = Stats(visible=n_vis, seeds=n_seeds[:T], screened=n_vis,
+                  survivors=jnp.where(recover, n_vis, survivors),
+                  records=jnp.sum(cand.appended, axis=1), rounds=1 + rint, overflows=rint,
+                  recoveries=rint, pruning=prune, budget=budget,
+                  tau_seed=jnp.where(prune, tau, -jnp.inf),
+                  tau_final=jnp.where(kth, sc[:, K - 1], -jnp.inf))
+    if return_details:
+        return idx, sc, stats, dict(plan=plan, coef=coef, surv=surv, cand=cand, seeds=seeds,
+                                    Cs=Cs, splits=S)
+    return idx, sc, stats
+
+
+def dense_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), splits=None,
+               interpret=None):
+    """Exact Top-K by the dense fused Pallas indexer (``dosa_jax.dense_topk``, pallas backend).
+
+    Same scoring routine and tile as :func:`dosa_topk`: indices and scores agree bitwise.
+    """
+    _check_size(k.shape[0])
+    return dense_mod.dense_topk(q, k, w, k_scale, lo, hi, config, tiles=tiles, splits=splits,
+                                interpret=interpret)
+
+
+__all__ = ["dosa_topk", "dense_topk", "survivor_capacity", "INT32_MIN"]

@@ -1,0 +1,266 @@
+"""The candidate buffer with an online threshold (in-kernel), and its jnp twin.
+
+Each kernel program owns, for each of its BQ queries, a fixed slice of
+``C`` record slots (order key, key id) in device memory and a count. Records
+arrive in ascending key-id order (the scans walk keys, or sorted survivor
+lists, upward) and are *appended* at ``count + cumsum(accept) − 1``: no atomics,
+so the output is deterministic and the kernels run in interpret mode on CPU.
+
+Online threshold (the "LiteTopK" filter; paper Sec. 3, SPEC §10): when some
+buffer could not take another tile (``count > C − BK``), the program finds,
+per query with at least K records, the K-th largest order key ``t`` among its
+records (32-step binary search over int32 keys, counting passes over the
+buffer) and compacts the buffer in place to exactly K records: all keys
+``> t`` and the lowest-id ``K − #{> t}`` keys equal to ``t``. From then on it
+accepts only keys ``> t`` (``strict``): a later key equal to ``t`` ranks
+after K held records with smaller ids (tie order: score desc, id asc), so it
+cannot enter the Top-K. ``t`` is a valid lower bound on τ* (K witnesses).
+With ``C ≥ K + BK`` a compaction always frees room for the next tile, so a
+buffer never overflows and never drops a candidate, whatever the data
+(massive ties included).
+
+Threshold states are order keys (:func:`dosa_jax.selection.order_key`);
+``theta_acc`` is the smallest accepted key (``t + 1`` when strict).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from dosa_jax.selection import INT32_MIN, INT32_MAX, order_key, select_by_position
+from pallas_kernels.common import cdiv
+
+Array = jax.Array
+
+
+def _plgpu():
+    from jax.experimental.pallas import triton as plgpu
+    return plgpu
+
+
+def barrier(interpret: bool):
+    """CTA barrier between reading and rewriting buffer slots (no-op when interpreting)."""
+    if not interpret:
+        _plgpu().debug_barrier()
+
+
+def masked_index(idx, mask, oob: int):
+    """Index array with masked-off entries sent out of bounds.
+
+    Interpret mode implements a masked store as a scatter of old values; routing
+    masked-off lanes out of bounds (dropped) keeps them from colliding with real
+    writes. On the GPU masked-off lanes issue no memory access.
+    """
+    return jnp.where(mask, idx, jnp.int32(oob))
+
+
+def load_slots(ref, base, slots, valid, size: int, other=0):
+    """ref[base[:, None] + slots] for valid lanes ([BQ, n])."""
+    idx = masked_index(base[:, None] + slots, valid, size)
+    return _plgpu().load(ref.at[idx], mask=valid, other=other)
+
+
+def store_slots(ref, base, slots, val, mask, size: int):
+    idx = masked_index(base[:, None] + slots, mask, size)
+    _plgpu().store(ref.at[idx], val, mask=mask)
+
+
+def append(key_ref, id_ref, base, count, theta_acc, key, ids, eligible, *, C: int, size: int):
+    """Append eligible records with ``key ≥ theta_acc`` after ``count`` (per query).
+
+    Args:
+      base: [BQ] flat offset of each query's C slots; count, theta_acc: [BQ].
+      key: [BQ, BK] order keys; ids: [BQ, BK] key ids; eligible: [BQ, BK] bool.
+    Returns:
+      (new count [BQ], number appended [BQ]).
+    """
+    acc = eligible & (key >= theta_acc[:, None])
+    acc_i = acc.astype(jnp.int32)
+    n = jnp.sum(acc_i, axis=1)
+
+    def write():
+        pos = count[:, None] + jnp.cumsum(acc_i, axis=1) - 1
+        ok = acc & (pos < C)
+        store_slots(key_ref, base, pos, key, ok, size)
+        store_slots(id_ref, base, pos, ids, ok, size)
+
+    # most tiles of a long scan append nothing once the threshold has risen
+    jax.lax.cond(jnp.max(n) > 0, write, lambda: None)
+    return jnp.minimum(count + n, C), n
+
+
+def count_at_least(key_ref, base, count, t, *, CH: int, size: int, n_chunks):
+    """#{records with key ≥ t} per query ([BQ])."""
+    lanes = jnp.arange(CH, dtype=jnp.int32)[None, :]
+
+    def body(c, acc):
+        slots = c * CH + lanes
+        valid = slots < count[:, None]
+        kk = load_slots(key_ref, base, slots, valid, size, other=INT32_MIN)
+        return acc + jnp.sum((valid & (kk >= t[:, None])).astype(jnp.int32), axis=1)
+
+    return lax.fori_loop(0, n_chunks, body, jnp.zeros_like(count))
+
+
+def kth_largest(key_ref, base, count, K: int, *, CH: int, size: int):
+    """K-th largest order key among each query's records (INT32_MIN+1 where count < K).
+
+    Binary search on int32: the answer is the largest t with #{key ≥ t} ≥ K.
+    """
+    n_chunks = cdiv(jnp.max(count), CH)
+    lo0 = jnp.full_like(count, INT32_MIN + 1)
+    hi0 = jnp.where(count >= K, jnp.full_like(count, INT32_MAX), lo0)
+
+    def step(_, lh):
+        lo, hi = lh
+        # ceil((lo + hi) / 2) without int32 overflow
+        mid = (lo & hi) + ((lo ^ hi) >> 1) + ((lo ^ hi) & 1)
+        mid = jnp.where(lo < hi, mid, lo)
+        c = count_at_least(key_ref, base, count, mid, CH=CH, size=size, n_chunks=n_chunks)
+        ok = c >= K
+        return jnp.where(ok, mid, lo), jnp.where(ok | (lo >= hi), hi, mid - 1)
+
+    lo, _ = lax.fori_loop(0, 32, step, (lo0, hi0))
+    return lo
+
+
+def compact(key_ref, id_ref, base, count, t, K: int, *, CH: int, size: int, interpret: bool):
+    """Keep, in slot order, keys > t and the first K − #{> t} keys == t (queries with count ≥ K).
+
+    Returns the new counts (K for compacted queries, unchanged otherwise).
+    """
+    do = count >= K
+    n_gt = count_at_least(key_ref, base, count, t + 1, CH=CH, size=size,
+                          n_chunks=cdiv(jnp.max(count), CH))
+    ties_wanted = K - n_gt
+    lanes = jnp.arange(CH, dtype=jnp.int32)[None, :]
+    n_chunks = cdiv(jnp.max(count), CH)
+
+    def body(c, carry):
+        kept, ties = carry
+        slots = c * CH + lanes
+        valid = slots < count[:, None]
+        kk = load_slots(key_ref, base, slots, valid, size, other=INT32_MIN)
+        ii = load_slots(id_ref, base, slots, valid, size, other=-1)
+        eq = valid & (kk == t[:, None])
+        eq_i = eq.astype(jnp.int32)
+        eq_rank = ties[:, None] + jnp.cumsum(eq_i, axis=1) - 1
+        keep = (valid & (kk > t[:, None])) | (eq & (eq_rank < ties_wanted[:, None]))
+        keep = jnp.where(do[:, None], keep, valid)
+        keep_i = keep.astype(jnp.int32)
+        pos = kept[:, None] + jnp.cumsum(keep_i, axis=1) - 1
+        barrier(interpret)  # every lane has read this chunk before any slot is rewritten
+        store_slots(key_ref, base, pos, kk, keep, size)
+        store_slots(id_ref, base, pos, ii, keep, size)
+        return kept + jnp.sum(keep_i, axis=1), ties + jnp.sum(eq_i, axis=1)
+
+    kept, _ = lax.fori_loop(0, n_chunks, body, (jnp.zeros_like(count), jnp.zeros_like(count)))
+    return kept
+
+
+def raise_threshold(key_ref, id_ref, base, count, theta, strict, K: int, *, CH: int, size: int,
+                    interpret: bool):
+    """Find the K-th largest record, compact to K records, raise the threshold.
+
+    Returns (count, theta, strict) with theta = max(theta, t) for queries with count ≥ K.
+    """
+    barrier(interpret)  # records appended by other lanes are visible
+    t = kth_largest(key_ref, base, count, K, CH=CH, size=size)
+    do = count >= K
+    new_count = compact(key_ref, id_ref, base, count, t, K, CH=CH, size=size,
+                        interpret=interpret)
+    theta = jnp.where(do, jnp.maximum(theta, t), theta)
+    strict = jnp.where(do, jnp.ones_like(strict), strict)
+    return new_count, theta, strict
+
+
+def scan_state(theta0):
+    """(count, theta, strict) at the start of a scan."""
+    z = jnp.zeros_like(theta0)
+    return z, theta0, z
+
+
+def theta_accept(theta, strict):
+    return theta + strict
+
+
+def maybe_raise(state, key_ref, id_ref, base, K: int, *, C: int, BK: int, CH: int, size: int,
+                interpret: bool):
+    """Compact when some buffer could not take another tile of BK records."""
+    count, theta, strict = state
+    need = jnp.max(count) > C - BK
+    return lax.cond(
+        need,
+        lambda s: raise_threshold(key_ref, id_ref, base, s[0], s[1], s[2], K, CH=CH, size=size,
+                                  interpret=interpret),
+        lambda s: s, (count, theta, strict))
+
+
+def scan_tiles(start, stop, tile_fn, theta0, key_ref, id_ref, base, K: int, *, C: int, BK: int,
+               CH: int, size: int, interpret: bool):
+    """Run ``tile_fn`` over tiles [start, stop) with the online threshold.
+
+    ``tile_fn(j, state) -> (state, appended_now)`` appends one tile's records
+    (at most BK per query) and never compacts. Compaction happens *between*
+    runs of tiles: each run is as long as the fullest buffer can surely absorb
+    (``(C − max count) // BK`` tiles), so the inner loop holds no nested loop
+    and Triton can software-pipeline its key loads. ``C ≥ K + BK`` guarantees
+    every run makes progress.
+
+    Returns ((count, theta, strict), appended).
+    """
+
+    def cond(c):
+        return c[0] < stop
+
+    def body(c):
+        j, state, appended = c
+        state = maybe_raise(state, key_ref, id_ref, base, K, C=C, BK=BK, CH=CH, size=size,
+                            interpret=interpret)
+        room = jnp.maximum((C - jnp.max(state[0])) // BK, 1)
+        j_end = jnp.minimum(j + room, stop)
+
+        def inner(jj, carry):
+            st, app = carry
+            st, n = tile_fn(jj, st)
+            return st, app + n
+
+        state, appended = lax.fori_loop(j, j_end, inner, (state, appended))
+        return j_end, state, appended
+
+    _, state, appended = lax.while_loop(
+        cond, body, (start, scan_state(theta0), jnp.zeros_like(theta0)))
+    return state, appended
+
+
+# ---------------------------------------------------------------- jnp side
+
+def select_from_records(rec_key: Array, rec_id: Array, count: Array, k: int):
+    """Exact Top-k of per-query record buffers.
+
+    Args:
+      rec_key, rec_id: [T, S, C] order keys and ids (each split in ascending id
+        order, splits in ascending id ranges, so slot position order is id order).
+      count: [T, S] valid records per split.
+    Returns:
+      (indices [T, k] int32, scores [T, k] float32) in contract order.
+    """
+    T, S, C = rec_key.shape
+    valid = jnp.arange(C, dtype=jnp.int32)[None, None, :] < count[:, :, None]
+    from dosa_jax.selection import key_to_score
+    scores = key_to_score(jnp.where(valid, rec_key, INT32_MIN)).reshape(T, S * C)
+    pos, sc = select_by_position(scores, k, valid.reshape(T, S * C))
+    idx = jnp.where(pos >= 0, jnp.take_along_axis(rec_id.reshape(T, S * C),
+                                                  jnp.maximum(pos, 0), axis=1), -1)
+    return idx.astype(jnp.int32), sc
+
+
+def kth_order_key_reference(scores: Array, valid: Array, k: int) -> Array:
+    """jnp twin of :func:`kth_largest` on score rows ([T, M] -> [T] order keys)."""
+    key = jnp.where(valid, order_key(scores), INT32_MIN)
+    if scores.shape[-1] < k:
+        return jnp.full(scores.shape[:-1], INT32_MIN + 1, jnp.int32)
+    kth = lax.top_k(key, k)[0][..., k - 1]
+    return jnp.where(kth == INT32_MIN, INT32_MIN + 1, kth)

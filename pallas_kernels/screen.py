@@ -1,0 +1,252 @@
+"""Certificate screening (Eq. 9, 26) as a Pallas Triton kernel, and its jnp twin.
+
+One shape serves all scoring stages (SPEC §13): per program, ``BQs`` queries'
+plan rows are stacked into one matrix (``Rp`` rows per query: the retained
+heads with folded weights w̃_j, then the negative-aggregate rows, zero rows to
+a power of two), multiplied against a key tile on the tensor cores, and the
+bound is evaluated per (query, key):
+
+    Û = Σ_r w̃_r relu(y_r) − relu(Σ_a z_a)          (− Σ_a z_a in the absolute form)
+    U = α_i (Û + n_i·coef + ε_raw),  then nudged up by |U|·2^-21
+
+with ``n_i ≥ ‖k̄_i‖`` and ``coef = E + C + C_kernel`` (the plan's residual and
+error plus this backend's arithmetic, :mod:`pallas_kernels.numerics`). A key
+is rejected only on ``U < τ`` (strict; NaN never rejects); ``prune = 0``
+disables rejection for a query. Survivors of the ``BQs/4`` refinement groups
+of the program (4 queries, paper Sec. 3) are appended to per-group lists as
+``id | mask << 27`` (the mask says for which of the 4 queries the key
+survived) at ``count + cumsum − 1``: deterministic, ascending ids, no atomics.
+The count keeps growing past the list's capacity: an overflowing group is
+detected (never silently truncated) and its queries are recovered exactly.
+
+Backend: Triton (``cumsum`` and masked stores at computed positions).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import records as rec
+from pallas_kernels.common import (ID_BITS, as_mma_operand, compiler_params, interpret_default, mma_pieces,
+                                   next_pow2, pad_axis, piece_pairs, round_up)
+
+Array = jax.Array
+#: Relative upward nudge of the final bound (covers the last roundings: α·v, the sum).
+UP_NUDGE = 2.0 ** -21
+#: Absolute upward floor after scaling (underflow of α·v).
+UP_FLOOR = 2.0 ** -126
+GROUP = 4   # queries per refinement group (bits in a survivor record)
+
+
+class ScreenOperands(NamedTuple):
+    """Kernel-ready screening rows ([Pr, Tpad*Rp, Dp] pieces) and per-row/per-query vectors."""
+
+    rows: Array        # [Pr, Tpad*Rp, Dp] MMA pieces
+    row_w: Array       # [Tpad*Rp] float32 w̃ (0 for aggregate / padding rows)
+    agg_m: Array       # [Tpad*Rp] float32 1 for aggregate rows
+    linear: Array      # [Tpad] int32
+    coef: Array        # [Tpad] float32
+    eps: Array         # [Tpad] float32
+    tau: Array         # [Tpad] float32
+    prune: Array       # [Tpad] int32
+    Rp: int
+    BQs: int
+
+
+def screen_queries_per_program(Rp: int, T: int) -> int:
+    """Queries per screening program: fill ≥ 64 MMA rows, a multiple of the group of 4."""
+    bq = max(GROUP, next_pow2(max(1, 64 // Rp)))
+    bq = min(bq, max(GROUP, next_pow2(T)))
+    while bq * Rp < 16:
+        bq *= 2
+    return bq
+
+
+def prepare_screen(rows, row_w, aggregate, linear, coef, eps, tau, prune, Dp: int, BQs=None):
+    """Stack retained rows and aggregate rows per query; pad to Rp rows, Dp columns, BQs queries.
+
+    Args:
+      rows: [T, R, D] float32; row_w: [T, R]; aggregate: [T, A, D]; the rest [T].
+    """
+    T, R, D = rows.shape
+    A = aggregate.shape[1]
+    Rp = next_pow2(R + A)
+    BQs = BQs or screen_queries_per_program(Rp, T)
+    Tpad = round_up(T, BQs)
+    allr = jnp.concatenate([rows.astype(jnp.float32), aggregate.astype(jnp.float32)], axis=1)
+    allr = pad_axis(pad_axis(pad_axis(allr, 1, Rp), 2, Dp), 0, Tpad)
+    pieces = mma_pieces(allr)  # [Pr, Tpad, Rp, Dp]
+    rw = pad_axis(pad_axis(jnp.concatenate(
+        [row_w.astype(jnp.float32), jnp.zeros((T, A), jnp.float32)], axis=1), 1, Rp), 0, Tpad)
+    am = pad_axis(pad_axis(jnp.concatenate(
+        [jnp.zeros((T, R), jnp.float32), jnp.ones((T, A), jnp.float32)], axis=1), 1, Rp), 0, Tpad)
+    padq = lambda x, v=0: pad_axis(x, 0, Tpad, v)
+    return ScreenOperands(
+        rows=pieces.reshape(pieces.shape[0], Tpad * Rp, Dp), row_w=rw.reshape(-1),
+        agg_m=am.reshape(-1), linear=padq(linear.astype(jnp.int32)),
+        coef=padq(coef.astype(jnp.float32)), eps=padq(eps.astype(jnp.float32)),
+        tau=padq(tau.astype(jnp.float32), jnp.inf), prune=padq(prune.astype(jnp.int32)),
+        Rp=Rp, BQs=BQs)
+
+
+def bound_tile(r_pieces, row_w, agg_m, k_pieces, knorm, scale, linear, coef, eps, *,
+               BQs: int, Rp: int, pairs):
+    """U for a tile inside a kernel: [BQs, BK] float32."""
+    y = None
+    for a, b in pairs:
+        d = jnp.dot(as_mma_operand(r_pieces[a]), as_mma_operand(k_pieces[b]).T,
+                    preferred_element_type=jnp.float32)
+        y = d if y is None else y + d
+    bk = y.shape[-1]
+    pos = jnp.sum((jnp.maximum(y, 0.0) * row_w[:, None]).reshape(BQs, Rp, bk), axis=1)
+    z = jnp.sum((y * agg_m[:, None]).reshape(BQs, Rp, bk), axis=1)
+    neg = jnp.where(linear[:, None] != 0, z, jnp.maximum(z, 0.0))
+    v = (pos - neg) + (knorm[None, :] * coef[:, None] + eps[:, None])
+    v = v * scale[None, :]
+    return v + jnp.abs(v) * UP_NUDGE + UP_FLOOR
+
+
+def _screen_kernel(*refs, Pr: int, Pk: int, BQs: int, Rp: int, BK: int, N: int, S: int, Cs: int,
+                   pairs):
+    r_refs = refs[:Pr]
+    (rw_ref, am_ref, lin_ref, coef_ref, eps_ref, tau_ref, pr_ref, lo_ref, hi_ref) = refs[Pr:Pr + 9]
+    k_refs = refs[Pr + 9:Pr + 9 + Pk]
+    kn_ref, sc_ref = refs[Pr + 9 + Pk:Pr + 11 + Pk]
+    sv_ref, cnt_ref, qs_ref = refs[Pr + 11 + Pk:]
+    G = BQs // GROUP
+    g = pl.program_id(0)
+    s = pl.program_id(1)
+    size = sv_ref.shape[0]
+    rp = [r_ref[pl.ds(g * BQs * Rp, BQs * Rp), :] for r_ref in r_refs]
+    rw = rw_ref[pl.ds(g * BQs * Rp, BQs * Rp)]
+    am = am_ref[pl.ds(g * BQs * Rp, BQs * Rp)]
+    qsl = pl.ds(g * BQs, BQs)
+    lin, coef, eps, tau = lin_ref[qsl], coef_ref[qsl], eps_ref[qsl], tau_ref[qsl]
+    prune = pr_ref[qsl] != 0
+    lo, hi = lo_ref[qsl], hi_ref[qsl]
+    nonempty = hi > lo
+    klo = jnp.min(jnp.where(nonempty, lo, jnp.int32(2 ** 31 - 1)))
+    khi = jnp.max(jnp.where(nonempty, hi, 0))
+    tile0 = klo // BK
+    ntile = jnp.maximum((khi + BK - 1) // BK - tile0, 0)
+    per = (ntile + S - 1) // S
+    start = tile0 + s * per
+    stop = jnp.minimum(start + per, tile0 + ntile)
+    lanes = jnp.arange(BK, dtype=jnp.int32)
+    groups = g * G + jnp.arange(G, dtype=jnp.int32)
+    base = (groups * S + s) * Cs
+    qbit = (jnp.int32(1) << (jnp.arange(BQs, dtype=jnp.int32) % GROUP))
+
+    def body(j, carry):
+        cnt, qs = carry
+        ids = j * BK + lanes
+        inb = ids < N
+        kp = [rec._plgpu().load(k_ref.at[pl.ds(j * BK, BK), :], mask=inb[:, None])
+              for k_ref in k_refs]
+        kn = rec._plgpu().load(kn_ref.at[pl.ds(j * BK, BK)], mask=inb, other=0.0)
+        sc = rec._plgpu().load(sc_ref.at[pl.ds(j * BK, BK)], mask=inb, other=1.0)
+        U = bound_tile(rp, rw, am, kp, kn, sc, lin, coef, eps, BQs=BQs, Rp=Rp, pairs=pairs)
+        vis = (ids[None, :] >= lo[:, None]) & (ids[None, :] < hi[:, None])
+        surv = vis & (~(U < tau[:, None]) | ~prune[:, None])
+        si = surv.astype(jnp.int32)
+        bits = jnp.sum((si * qbit[:, None]).reshape(G, GROUP, BK), axis=1)
+        anyq = bits > 0
+        ai = anyq.astype(jnp.int32)
+        n = jnp.sum(ai, axis=1)
+
+        def write():
+            pos = cnt[:, None] + jnp.cumsum(ai, axis=1) - 1
+            ok = anyq & (pos < Cs)
+            rec.store_slots(sv_ref, base, pos, ids[None, :] | (bits << ID_BITS), ok, size)
+
+        lax.cond(jnp.max(n) > 0, write, lambda: None)
+        return cnt + n, qs + jnp.sum(si, axis=1)
+
+    cnt, qs = lax.fori_loop(start, stop, body,
+                            (jnp.zeros((G,), jnp.int32), jnp.zeros((BQs,), jnp.int32)))
+    cnt_ref[groups * S + s] = cnt
+    qs_ref[(g * BQs + jnp.arange(BQs, dtype=jnp.int32)) * S + s] = qs
+
+
+class Survivors(NamedTuple):
+    """Screening output: per refinement group of 4 queries and split."""
+
+    packed: Array     # [G4, S, Cs] int32 id | mask << 27 (ascending ids)
+    count: Array      # [G4, S] int32 true survivors (may exceed Cs: overflow)
+    per_query: Array  # [T, S] int32 survivors per query
+
+
+@functools.partial(jax.jit, static_argnames=("BQs", "Rp", "BK", "S", "Cs", "pairs", "num_warps",
+                                             "interpret", "T"))
+def _screen_call(rows, row_w, agg_m, linear, coef, eps, tau, prune, lo, hi, k, knorm, scale, *,
+                 BQs, Rp, BK, S, Cs, pairs, num_warps, interpret, T):
+    Tpad = lo.shape[0]
+    G4 = Tpad // GROUP
+    N = k.shape[1]
+    kern = functools.partial(_screen_kernel, Pr=rows.shape[0], Pk=k.shape[0], BQs=BQs, Rp=Rp,
+                             BK=BK, N=N, S=S, Cs=Cs, pairs=pairs)
+    i32 = jnp.int32
+    sv, cnt, qs = pl.pallas_call(
+        kern, grid=(Tpad // BQs, S),
+        out_shape=(jax.ShapeDtypeStruct((G4 * S * Cs,), i32),
+                   jax.ShapeDtypeStruct((G4 * S,), i32), jax.ShapeDtypeStruct((Tpad * S,), i32)),
+        compiler_params=compiler_params(num_warps, 2), interpret=interpret,
+        name="dosa_screen")(*rows, row_w, agg_m, linear, coef, eps, tau, prune, lo, hi, *k,
+                            knorm, scale)
+    return Survivors(sv.reshape(G4, S, Cs), cnt.reshape(G4, S), qs.reshape(Tpad, S)[:T])
+
+
+def screen(sops: ScreenOperands, lo, hi, k_pieces, knorm, scale, *, splits: int, capacity: int,
+           BK: int = 64, num_warps: int = 4, interpret=None) -> Survivors:
+    """Run the screening kernel.
+
+    Args:
+      sops: :func:`prepare_screen` output; lo, hi: [T] ranges;
+      k_pieces: [Pk, N, Dp] key MMA pieces; knorm: [N] n_i ≥ ‖k̄_i‖; scale: [N] α_i.
+      capacity: survivor slots per (group, split).
+    """
+    if interpret is None:
+        interpret = interpret_default()
+    T = lo.shape[0]
+    Tpad = sops.linear.shape[0]
+    lo = jnp.pad(lo.astype(jnp.int32), (0, Tpad - T))
+    hi = jnp.pad(hi.astype(jnp.int32), (0, Tpad - T))
+    pairs = piece_pairs(sops.rows.shape[0], k_pieces.shape[0])
+    return _screen_call(sops.rows, sops.row_w, sops.agg_m, sops.linear, sops.coef, sops.eps,
+                        sops.tau, sops.prune, lo, hi, k_pieces, knorm, scale, BQs=sops.BQs,
+                        Rp=sops.Rp, BK=BK, S=splits, Cs=round_up(capacity, 16), pairs=pairs,
+                        num_warps=num_warps, interpret=interpret, T=T)
+
+
+def screening_bound_reference(rows, row_w, aggregate, linear, coef, eps, k_pieces, knorm,
+                              scale) -> Array:
+    """jnp twin of :func:`bound_tile` on full arrays: U [T, N] with the same operand pieces."""
+    T, R, D = rows.shape
+    allr = jnp.concatenate([rows, aggregate], axis=1).astype(jnp.float32)
+    Dp = k_pieces.shape[-1]
+    allr = pad_axis(allr, 2, Dp)
+    rp = mma_pieces(allr)
+    y = None
+    for a, b in piece_pairs(rp.shape[0], k_pieces.shape[0]):
+        d = jnp.einsum("trd,nd->tnr", rp[a].astype(jnp.float32), k_pieces[b].astype(jnp.float32),
+                       precision=lax.Precision.HIGHEST)
+        y = d if y is None else y + d
+    pos = jnp.sum(jnp.maximum(y[..., :R], 0.0) * row_w[:, None, :], axis=-1)
+    z = jnp.sum(y[..., R:], axis=-1)
+    neg = jnp.where(linear[:, None], z, jnp.maximum(z, 0.0))
+    v = (pos - neg) + (knorm[None, :] * coef[:, None] + eps[:, None])
+    v = v * scale[None, :]
+    return v + jnp.abs(v) * UP_NUDGE + UP_FLOOR
+
+
+def survivors_reference(U: Array, tau: Array, prune: Array, lo: Array, hi: Array) -> Array:
+    """[T, N] survival mask of the twin (visible and not ``U < τ`` or not pruning)."""
+    ids = jnp.arange(U.shape[1], dtype=jnp.int32)[None, :]
+    vis = (ids >= lo[:, None]) & (ids < hi[:, None])
+    return vis & (~(U < tau[:, None]) | ~prune[:, None])

@@ -1,0 +1,220 @@
+"""Pallas kernels against their jnp twins (interpret mode on CPU; compiled on a GPU).
+
+Small shapes with small K and tiles so that every mechanism runs: online
+threshold compactions (C = K + BK), massive ties, NaN / ±inf / −0.0 scores,
+split scans, survivor-list overflow and recovery. Indices are compared exactly
+where the twin's scores leave a gap larger than the scorer difference bound;
+the Pallas paths are compared with each other bitwise.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dosa_jax import synthetic
+from dosa_jax.config import Config
+from dosa_jax.selection import exact_topk as ref_exact_topk
+from pallas_kernels import dense, pipeline, records, screen
+from pallas_kernels import select as pselect
+from pallas_kernels.common import THETA_NONE, mma_pieces, on_gpu
+
+ON_GPU = on_gpu()
+TILES = dense.Tiles(BQ=4, BK=16, CH=32)
+
+
+def _assert_topk_close(idx, sc, ridx, rsc, tol=1e-5):
+    """Scores equal to tol; index sets equal except keys within tol of the K-th score."""
+    idx, sc, ridx, rsc = map(np.asarray, (idx, sc, ridx, rsc))
+    fin = np.isfinite(rsc)
+    np.testing.assert_allclose(np.where(fin, sc, 0), np.where(fin, rsc, 0), atol=tol, rtol=tol)
+    assert np.array_equal(np.isfinite(sc), fin)
+    for t in range(idx.shape[0]):
+        kth = rsc[t, -1]
+        a = set(idx[t][sc[t] > kth + tol]) if np.isfinite(kth) else set(idx[t][idx[t] >= 0])
+        b = set(ridx[t][rsc[t] > kth + tol]) if np.isfinite(kth) else set(ridx[t][ridx[t] >= 0])
+        assert a == b, f"query {t}: index sets differ away from the K-th score"
+
+
+@pytest.fixture(scope="module")
+def fp8_inputs():
+    return synthetic.gaussian(T=8, N=700, H=4, D=32, seed=1, key_dtype="float8_e4m3fn",
+                              query_dtype="bfloat16")
+
+
+def test_dense_matches_twin_with_compactions(fp8_inputs):
+    inp = fp8_inputs
+    cfg = Config(top_k=32)
+    idx, sc, cand = dense.dense_topk(inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi, cfg,
+                                     tiles=TILES, splits=2, return_candidates=True)
+    ridx, rsc = dense.dense_topk_reference(inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi, cfg)
+    _assert_topk_close(idx, sc, ridx, rsc)
+    # the online threshold really compacted (more appended than the buffer holds)
+    assert int(jnp.max(cand.appended)) > dense.capacity_for(32, TILES.BK)
+    assert int(jnp.max(cand.count)) <= dense.capacity_for(32, TILES.BK)
+
+
+def test_dense_ties_nonfinite_and_ranges():
+    """All keys equal (every score ties): the lowest indices win; empty / short ranges pad."""
+    T, N, H, D, K = 8, 300, 4, 32, 32
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((T, H, D)), jnp.float32)
+    k = jnp.asarray(np.tile(rng.standard_normal((1, D)), (N, 1)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+    w = w.at[3].set(jnp.nan)                   # NaN scores: never selected
+    lo = jnp.asarray([0, 10, 0, 0, 50, 299, 0, 5], jnp.int32)
+    hi = jnp.asarray([300, 300, 0, 300, 60, 300, 300, 250], jnp.int32)
+    cfg = Config(top_k=K)
+    idx, sc = dense.dense_topk(q, k, w, None, lo, hi, cfg, tiles=TILES, splits=2)
+    ridx, rsc = dense.dense_topk_reference(q, k, w, None, lo, hi, cfg)
+    # every key ties with every other: indices must be exactly the lowest visible ones
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(ridx))
+    np.testing.assert_allclose(np.asarray(sc), np.asarray(rsc), rtol=1e-6)
+    assert np.all(np.asarray(idx[2]) == -1) and np.all(np.asarray(idx[3]) == -1)
+    assert list(np.asarray(idx[0, :3])) == [0, 1, 2]
+
+
+def test_exact_topk_matches_reference_with_ties_nan_and_bad_guess():
+    rng = np.random.default_rng(1)
+    T, M, k = 5, 3000, 48
+    x = rng.standard_normal((T, M)).astype(np.float32)
+    x[1] = 1.0                                  # all ties
+    x[2, ::7] = np.nan
+    x[3, 100:400] = -0.0
+    x[3] = np.where(rng.random(M) < 0.5, x[3], -np.inf)
+    x[4, ::M // 300] += 10                      # exactly the sampled columns: guess too high
+    x = jnp.asarray(x)
+    valid = jnp.asarray(rng.random((T, M)) < 0.9)
+    for v in (None, valid):
+        i, s, st = pselect.exact_topk(x, k, valid=v, min_columns=0, block=64, sample=300,
+                                      return_stats=True)
+        ri, rs = ref_exact_topk(x, k, valid=v)
+        np.testing.assert_array_equal(np.asarray(i), np.asarray(ri))
+        np.testing.assert_array_equal(np.asarray(s), np.asarray(rs))
+    assert int(st["fallback_rows"][4]) == 1
+
+
+def test_screen_matches_twin():
+    inp = synthetic.structured(T=8, N=500, H=4, D=32, seed=2, key_dtype="float8_e4m3fn",
+                               query_dtype="bfloat16")
+    T = 8
+    rng = np.random.default_rng(3)
+    R, A = 2, 1
+    q32 = inp.q.astype(jnp.float32)
+    rows = q32[:, :R]
+    row_w = jnp.abs(inp.w[:, :R])
+    agg = q32[:, R:R + A] * 0.3
+    linear = jnp.asarray(rng.random(T) < 0.3)
+    coef = jnp.full((T,), 0.05, jnp.float32)
+    eps = jnp.full((T,), 1e-30, jnp.float32)
+    tau = jnp.asarray(rng.uniform(-0.5, 1.0, T), jnp.float32)
+    prune = jnp.asarray([True] * 7 + [False])
+    ops = dense.prepare_operands(inp.q, inp.w, inp.k, inp.k_scale, 4)
+    from dosa_jax.enclosure import key_norm_upper
+    knorm = key_norm_upper(inp.k)
+    sops = screen.prepare_screen(rows, row_w, agg, linear, coef, eps, tau, prune, ops.k.shape[-1])
+    surv = screen.screen(sops, inp.lo, inp.hi, ops.k, knorm, ops.scale, splits=2, capacity=512,
+                         BK=16)
+    U = screen.screening_bound_reference(rows, row_w, agg, linear, coef, eps, ops.k, knorm,
+                                         ops.scale)
+    m = np.asarray(screen.survivors_reference(U, tau, prune, inp.lo, inp.hi))
+    # unpack the kernel's lists into a [T, N] mask
+    got = np.zeros_like(m)
+    packed, cnt = np.asarray(surv.packed), np.asarray(surv.count)
+    for g in range(packed.shape[0]):
+        for s in range(packed.shape[1]):
+            for e in packed[g, s, :cnt[g, s]]:
+                for b in range(4):
+                    if (e >> 27) >> b & 1 and 4 * g + b < T:
+                        got[4 * g + b, e & ((1 << 27) - 1)] = True
+    near = np.abs(np.asarray(U) - np.asarray(tau)[:, None]) <= 1e-5 * (1 + np.abs(np.asarray(U)))
+    assert np.all((got == m) | near)
+    assert np.array_equal(np.asarray(surv.per_query).sum(1), got.sum(1))
+    assert got[7].sum() == int(inp.hi[7] - inp.lo[7])          # prune off: everything survives
+    ids = [packed[g, s, :cnt[g, s]] & ((1 << 27) - 1) for g in range(2) for s in range(2)]
+    assert all(np.all(np.diff(x) > 0) for x in ids)            # ascending, distinct
+
+
+def test_dosa_pallas_equals_dense_pallas_bitwise():
+    inp = synthetic.structured(T=8, N=1500, H=8, D=32, seed=3, key_dtype="float8_e4m3fn",
+                               query_dtype="bfloat16")
+    cfg = Config(top_k=32, retained_heads=6, seed_size=256, capacity=1024)
+    idx, sc, st, det = pipeline.dosa_topk(inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi, cfg,
+                                          tiles=TILES, splits=2, return_details=True)
+    didx, dsc = pipeline.dense_topk(inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi, cfg,
+                                    tiles=TILES, splits=2)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(didx))
+    np.testing.assert_array_equal(np.asarray(sc), np.asarray(dsc))
+    ridx, rsc = dense.dense_topk_reference(inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi, cfg)
+    _assert_topk_close(idx, sc, ridx, rsc)
+    assert int(jnp.sum(st.recoveries)) == 0
+    assert int(jnp.sum(st.pruning)) > 0
+    assert float(jnp.mean(st.survivors / st.visible)) < 1.0   # something was pruned
+    # τ from the seed kernel (in-kernel K-th largest search) = the twin's K-th seed score
+    from pallas_kernels.refine import group_seed_lists
+    from pallas_kernels.scoring import score_reference
+    lists, cnt, _ = group_seed_lists(inp.lo, inp.hi, 8, *pipeline.seed_sizes(cfg), TILES.BK)
+    member = np.zeros((8, 1500), bool)
+    for g in range(2):
+        for e in np.asarray(lists)[g, 0, :int(cnt[g, 0])]:
+            for b in range(4):
+                member[4 * g + b, e & ((1 << 27) - 1)] |= bool((e >> 27) >> b & 1)
+    twin = score_reference(mma_pieces(inp.q), inp.w, mma_pieces(inp.k), inp.k_scale)
+    tau_twin = records.kth_order_key_reference(twin, jnp.asarray(member), cfg.top_k)
+    from dosa_jax.selection import key_to_score
+    np.testing.assert_allclose(np.asarray(key_to_score(det["seeds"].theta[:, 0])),
+                               np.asarray(key_to_score(tau_twin)), rtol=1e-5)
+
+
+def test_dosa_overflow_recovers_exactly():
+    """float32 inputs (two bf16 pieces each) and survivor lists too small: exact via recovery."""
+    inp = synthetic.gaussian(T=8, N=700, H=4, D=32, seed=1)
+    cfg = Config(top_k=32, retained_heads=2, seed_size=64, capacity=16)   # lists overflow
+    idx, sc, st = pipeline.dosa_topk(inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi, cfg,
+                                     tiles=TILES, splits=2)
+    didx, dsc = pipeline.dense_topk(inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi, cfg,
+                                    tiles=TILES, splits=2)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(didx))
+    np.testing.assert_array_equal(np.asarray(sc), np.asarray(dsc))
+    assert int(jnp.sum(st.recoveries)) > 0
+
+
+def test_operand_pieces_represent_float32():
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((64, 32)), jnp.float32)
+    p = mma_pieces(x)
+    assert p.shape[0] == 2
+    err = jnp.abs(x - (p[0].astype(jnp.float32) + p[1].astype(jnp.float32)))
+    assert float(jnp.max(err / jnp.abs(x))) <= 2.0 ** -16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+def test_gpu_dense_and_dosa_bitwise_and_vs_twin():
+    inp = synthetic.structured(T=256, N=32768, H=32, D=128, seed=5, key_dtype="float8_e4m3fn",
+                               query_dtype="bfloat16")
+    cfg = Config(top_k=2048)
+    args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)
+    idx, sc, st = jax.jit(lambda *a: pipeline.dosa_topk(*a, cfg))(*args)
+    didx, dsc = jax.jit(lambda *a: pipeline.dense_topk(*a, cfg))(*args)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(didx))
+    np.testing.assert_array_equal(np.asarray(sc), np.asarray(dsc))
+    ridx, rsc = dense.dense_topk_reference(*args, cfg)
+    _assert_topk_close(didx, dsc, ridx, rsc, tol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+def test_gpu_exact_topk_equals_reference():
+    x = jax.random.normal(jax.random.PRNGKey(0), (64, 1 << 18), jnp.float32)
+    x = x.at[:, ::101].set(jnp.nan)
+    i, s = pselect.exact_topk(x, 2048)
+    ri, rs = ref_exact_topk(x, 2048)
+    np.testing.assert_array_equal(np.asarray(i), np.asarray(ri))
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(rs))
+
+
+def test_theta_none_is_below_every_eligible_key():
+    from dosa_jax.selection import order_key
+    assert int(order_key(jnp.float32(-jnp.inf))) >= THETA_NONE
