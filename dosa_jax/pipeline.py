@@ -96,9 +96,9 @@ def prepare_keys(k, k_scale, block: int) -> KeyData:
 
 
 def capacity(config, N: int) -> int:
-    """Candidate buffer per query: Config.capacity or N/8 (≥ one block, ≤ 65536)."""
+    """Candidate buffer per query: Config.capacity or N/4 (≥ 2K and one block, ≤ 65536)."""
     B = config.key_block
-    cap = config.capacity if config.capacity is not None else min(max(N // 8, 2 * config.top_k), 65536)
+    cap = config.capacity if config.capacity is not None else min(max(N // 4, 2 * config.top_k), 65536)
     return max(round_up_to(cap, B), B)
 
 
@@ -204,6 +204,7 @@ def dosa_tile(q, w, lo, hi, keys: KeyData, config, N: int, hint=None):
     tau_init = jnp.where(prune0, tau0, -jnp.inf)
     seed_idx, seed_sc = select_records(s_scores, sid, K, valid=svalid)
     rows = jnp.arange(Tq)[:, None]
+    screen_block = tile_screen(plan, budget, config, H)
     zeros = jnp.zeros((Tq,), jnp.int32)
 
     def scan_round(resume, tau, prune):
@@ -222,7 +223,7 @@ def dosa_tile(q, w, lo, hi, keys: KeyData, config, N: int, hint=None):
             kb = lax.dynamic_slice_in_dim(keys.k, b * B, B)
             nb = lax.dynamic_slice_in_dim(keys.norm_up, b * B, B)
             ab = None if keys.scale is None else lax.dynamic_slice_in_dim(keys.scale, b * B, B)
-            bound = screening_bound(plan, kb, nb, ab)
+            bound = screen_block(kb, nb, ab)
             idb = jnp.broadcast_to(ids[None, :], (Tq, B))
             vis = (active[:, None] & (idb >= lo_eff) & (idb < hi[:, None])
                    & ~seeds_mod.is_seed(idb, layout))
@@ -299,6 +300,29 @@ def dosa_tile(q, w, lo, hi, keys: KeyData, config, N: int, hint=None):
                   recoveries=st.recoveries, pruning=st.prune, budget=budget,
                   tau_seed=tau_init, tau_final=jnp.where(kth, st.run_sc[:, K - 1], -jnp.inf))
     return st.run_idx, st.run_sc, stats
+
+
+def tile_screen(plan, budget, config, H: int):
+    """Screening of a key block for the tile, computing only the rows the tile needs.
+
+    Plan rows hold each query's retained heads first (head order), then zero
+    padding, so the first ``max(budget)`` rows cover every query of the tile.
+    ``lax.switch`` picks the smallest candidate budget ≥ that, making the
+    screening GEMM cost (r_tile + d_a) rows instead of the largest candidate's.
+    """
+    cands = config.budgets(H)
+    if len(cands) == 1:
+        return lambda kb, nb, ab: screening_bound(plan, kb, nb, ab)
+    need = jnp.max(budget)
+    branch = jnp.sum(jnp.asarray(cands, jnp.int32) < need).astype(jnp.int32)
+    branch = jnp.minimum(branch, len(cands) - 1)
+
+    def for_rows(R):
+        sub = plan._replace(rows=plan.rows[:, :R], row_weights=plan.row_weights[:, :R])
+        return lambda kb, nb, ab: screening_bound(sub, kb, nb, ab)
+
+    fns = [for_rows(R) for R in cands]
+    return lambda kb, nb, ab: lax.switch(branch, fns, kb, nb, ab)
 
 
 def map_query_tiles(fn, q, w, lo, hi, tile: int, *extra):
