@@ -38,10 +38,9 @@ def _config_with_top_k(config: Optional[Config], top_k) -> Config:
         if isinstance(top_k, jax.core.Tracer):
             raise TypeError("top_k must be a static Python int; under jax.jit pass "
                             "config=dosa_jax.Config(top_k=...) instead")
-        if isinstance(top_k, bool) or not isinstance(top_k, (int,)) and not (
-                hasattr(top_k, "__index__")):
+        if isinstance(top_k, bool) or not hasattr(top_k, "__index__"):
             raise TypeError(f"top_k must be an int, got {top_k!r}")
-        top_k = int(top_k)
+        top_k = top_k.__index__()
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
         if top_k != config.top_k:

@@ -87,29 +87,13 @@ def causal_ranges(num_queries: int, num_keys: int, *, window: Optional[int] = No
     return jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
 
 
-def _static_int(x, name: str) -> int:
-    if isinstance(x, (bool, np.bool_)):
-        raise TypeError(f"{name} must be an int, got bool")
-    if isinstance(x, jax.core.Tracer):
-        raise TypeError(
-            f"{name} must be a static Python int, got a traced value; under jax.jit put it "
-            f"in the Config (config=dosa_jax.Config(top_k=...)) or mark it static")
-    try:
-        return int(x) if int(x) == x else _raise(TypeError(f"{name} must be an integer, got {x!r}"))
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be an integer, got {x!r}") from None
-
-
-def _raise(e):
-    raise e
-
-
-def check_inputs(q, k, w, k_scale=None, lo=None, hi=None, *, top_k=None):
+def check_inputs(q, k, w, k_scale=None, lo=None, hi=None):
     """Validate the public arguments (SPEC §12) and return them normalised.
 
     Raises ValueError/TypeError naming the argument for a wrong rank, shape or
-    dtype, FP8 keys without scales, and ``top_k < 1``. Missing ranges default to
-    all keys visible; ranges are clipped to [0, N] (an empty range is allowed).
+    dtype, and FP8 keys without scales (``top_k`` is checked with the Config).
+    Missing ranges default to all keys visible; ranges are clipped to [0, N]
+    (an empty range is allowed).
 
     Returns:
       (q, k, w, k_scale, lo, hi) as jax arrays with w float32, scale float32 or
@@ -154,10 +138,6 @@ def check_inputs(q, k, w, k_scale=None, lo=None, hi=None, *, top_k=None):
             raise ValueError(f"k_scale must have shape [N] = ({N},), got {tuple(k_scale.shape)}")
         if jnp.dtype(k_scale.dtype) != jnp.dtype(jnp.float32):
             raise TypeError(f"k_scale must be float32, got {k_scale.dtype}")
-    if top_k is not None:
-        top_k = _static_int(top_k, "top_k")
-        if top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {top_k}")
     if (lo is None) != (hi is None):
         raise ValueError("lo and hi must be given together (or neither)")
     if lo is None:
