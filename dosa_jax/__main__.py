@@ -98,7 +98,7 @@ def main(argv=None):
     if ratio.size:
         print(f"  tau/tau*: median {np.median(ratio):.3f}  [p10 {np.percentile(ratio, 10):.3f}, "
               f"p90 {np.percentile(ratio, 90):.3f}]  ({ratio.size} queries with finite, nonzero tau*)")
-    print(f"  retained heads r: " + ", ".join(f"r={i}: {c}" for i, c in enumerate(budgets) if c))
+    print("  retained heads r: " + ", ".join(f"r={i}: {c}" for i, c in enumerate(budgets) if c))
     print(f"  rounds/query: mean {np.mean(st.rounds):.2f}; overflows {int(np.sum(st.overflows))}; "
           f"recoveries {int(np.sum(st.recoveries))}")
     print(f"  time (median of {args.repeats}, after compile): DoSA {t_dosa * 1e3:.1f} ms, "

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from dosa_jax.config import Config
 from dosa_jax.dense import dense_topk_reference, score_matrix
 from dosa_jax.inputs import check_inputs
-from dosa_jax.pipeline import Stats, dosa_topk_reference
-from dosa_jax.selection import exact_topk  # noqa: F401  (re-exported)
+from dosa_jax.pipeline import dosa_topk_reference
+from dosa_jax import selection
 
 
 class TopKResult(NamedTuple):
@@ -122,3 +122,21 @@ def score(q, k, w, k_scale=None, lo=None, hi=None, config: Optional[Config] = No
     config = config or Config()
     q, k, w, k_scale, lo, hi = check_inputs(q, k, w, k_scale, lo, hi)
     return score_matrix(q, k, w, k_scale, lo, hi, config.key_block, config.query_tile)
+
+
+def exact_topk(scores, k: int, *, valid=None, backend: str = "auto"):
+    """Exact Top-k of score rows (position = key index), the contract's tie order.
+
+    Score desc, index asc; NaN never selected; ``-1``/``-inf`` pads. ``backend``:
+    ``"reference"`` (``lax.top_k`` on int order keys), ``"pallas"`` (threshold
+    select kernel, ``pallas_kernels.select``; interpret mode without a GPU) or
+    ``"auto"`` (pallas on a GPU). Both return identical results.
+    """
+    if backend not in ("reference", "pallas", "auto"):
+        raise ValueError(f"backend must be 'reference', 'pallas' or 'auto', got {backend!r}")
+    if backend == "auto":
+        backend = "pallas" if jax.default_backend() == "gpu" else "reference"
+    if backend == "pallas":
+        from pallas_kernels import select as pallas_select
+        return pallas_select.exact_topk(scores, k, valid=valid)
+    return selection.exact_topk(scores, k, valid=valid)

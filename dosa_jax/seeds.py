@@ -101,7 +101,6 @@ def seed_threshold(scores, valid, k: int):
 
 def distinct_visible(ids, lo, hi):
     """Mask of the first occurrence of each visible id in rows of ``ids`` [T, M]."""
-    M = ids.shape[1]
     vis = (ids >= lo[:, None]) & (ids < hi[:, None])
     key = jnp.where(vis, ids, jnp.iinfo(jnp.int32).max)
     order = jnp.argsort(key, axis=1, stable=True)

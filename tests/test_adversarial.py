@@ -1,7 +1,6 @@
 """Adversarial inputs (issue 2): ties, equal scores, zero vectors, one-signed and zero
 weights, empty ranges, |Ω| < K, capacity far below the survivor count."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

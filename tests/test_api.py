@@ -163,3 +163,14 @@ def test_selection_policy_nan_inf_ties_and_pads():
     ids = jnp.array([[7, 6, 5, 4, 3, 2, 1, 0]])
     idx, _ = select_records(s, ids, 10)
     assert np.asarray(idx)[0].tolist() == [0, 5, 6, 7, 1, 2, 4, -1, -1, -1]  # ties: smaller id first
+
+
+def test_exact_topk_backends_agree(rng):
+    s = rng.standard_normal((2, 300)).astype(np.float32)
+    s[:, 7] = s[:, 8] = 5.0
+    a = dosa_jax.exact_topk(jnp.asarray(s), 9, backend="reference")
+    b = dosa_jax.exact_topk(jnp.asarray(s), 9, backend="pallas")
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    with pytest.raises(ValueError, match="backend"):
+        dosa_jax.exact_topk(jnp.asarray(s), 9, backend="tpu")

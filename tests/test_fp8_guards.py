@@ -6,7 +6,6 @@ met during the scan disables pruning for that query; it is answered by
 full-domain recovery and counted. Dense and DoSA then agree bitwise.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
