@@ -145,3 +145,12 @@ def kernel_order_key(s: Array) -> Array:
 def _warn_once(msg: str):  # pragma: no cover - diagnostics only
     import warnings
     warnings.warn(msg)
+
+
+def split_key_tiles(klo, khi, BK: int, S: int, s):
+    """Key tiles [start, stop) of split ``s`` of ``S`` covering keys [klo, khi) in tiles of BK."""
+    tile0 = klo // BK
+    ntile = jnp.maximum((khi + BK - 1) // BK - tile0, 0)
+    per = (ntile + S - 1) // S
+    start = tile0 + s * per
+    return start, jnp.minimum(start + per, tile0 + ntile)

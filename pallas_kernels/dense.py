@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 
 from dosa_jax.selection import INT32_MIN, order_key, select_by_position
 from pallas_kernels import records as rec
-from pallas_kernels.common import (THETA_NONE, compiler_params, interpret_default, mma_pieces,
+from pallas_kernels.common import (THETA_NONE, split_key_tiles, compiler_params, interpret_default, mma_pieces,
                                    next_pow2, piece_pairs, pad_axis, round_up, kernel_order_key)
 from pallas_kernels.scoring import score_reference, score_tile
 
@@ -118,11 +118,7 @@ def _dense_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, H: int, N: int, S: int,
     base = (t_ids * S + s) * C
 
     klo, khi = _group_range(lo, hi)
-    tile0 = klo // BK
-    ntile = jnp.maximum((khi + BK - 1) // BK - tile0, 0)
-    per = (ntile + S - 1) // S
-    start = tile0 + s * per
-    stop = jnp.minimum(start + per, tile0 + ntile)
+    start, stop = split_key_tiles(klo, khi, BK, S, s)
     lanes = jnp.arange(BK, dtype=jnp.int32)
 
     def tile(j, state):

@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import records as rec
-from pallas_kernels.common import (ID_BITS, as_mma_operand, compiler_params, interpret_default, mma_pieces,
+from pallas_kernels.common import (ID_BITS, split_key_tiles, as_mma_operand, compiler_params, interpret_default, mma_pieces,
                                    next_pow2, pad_axis, piece_pairs, round_up)
 
 Array = jax.Array
@@ -133,11 +133,7 @@ def _screen_kernel(*refs, Pr: int, Pk: int, BQs: int, Rp: int, BK: int, N: int, 
     nonempty = hi > lo
     klo = jnp.min(jnp.where(nonempty, lo, jnp.int32(2 ** 31 - 1)))
     khi = jnp.max(jnp.where(nonempty, hi, 0))
-    tile0 = klo // BK
-    ntile = jnp.maximum((khi + BK - 1) // BK - tile0, 0)
-    per = (ntile + S - 1) // S
-    start = tile0 + s * per
-    stop = jnp.minimum(start + per, tile0 + ntile)
+    start, stop = split_key_tiles(klo, khi, BK, S, s)
     lanes = jnp.arange(BK, dtype=jnp.int32)
     groups = g * G + jnp.arange(G, dtype=jnp.int32)
     base = (groups * S + s) * Cs

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import time
 from typing import Callable, Dict, Iterator, List, Sequence
 
@@ -264,3 +265,12 @@ def cli(check: Callable, description: str, argv=None, extra: Callable = None) ->
     r = timed(check, **kwargs)
     print(format_result(r))
     return 0 if r["passed"] else 1
+
+
+@functools.lru_cache(maxsize=None)
+def over_instances_variants_keys(one: Callable, groups: int):
+    """jit(vmap) of a per-key check ``one(5 instance args, variant, key, groups=...)``
+    over instances (axis 0 of the first five), variants (sixth) and keys (seventh)."""
+    f = jax.vmap(functools.partial(one, groups=groups), in_axes=(None,) * 6 + (0,))
+    f = jax.vmap(f, in_axes=(None,) * 5 + (0, None))
+    return jax.jit(jax.vmap(f, in_axes=(0, 0, 0, 0, 0, None, None)))

@@ -20,7 +20,6 @@ upper)/exact).
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -102,14 +101,6 @@ def _one(q, w, p, keys, signs, r, vid, *, groups):
             shortfall)
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled(H: int, D: int, n_keys: int, groups: int):
-    one = functools.partial(_one, groups=groups)
-    f = jax.vmap(one, in_axes=(None,) * 6 + (0,))
-    f = jax.vmap(f, in_axes=(None,) * 5 + (0, None))
-    return jax.jit(jax.vmap(f, in_axes=(0, 0, 0, 0, 0, None, None)))
-
-
 def keys_per_instance(H: int, n_keys: int) -> int:
     """Instance keys plus the 2 + 4H + N_SIGNS extremal keys."""
     return n_keys + 2 + 4 * H + N_SIGNS
@@ -135,7 +126,7 @@ def check(n_instances: int = 60, seed: int = 0, shapes=cm.SHAPES_ALL, n_keys: in
             batch = cm.make_batch(rng, n_instances, H, D, n_keys, families)
             signs = rng.choice([-1.0, 1.0], (n_instances, N_SIGNS, H))
             rs = np.asarray(cm.budgets(H), np.int32)
-            fn = _compiled(H, D, n_keys, groups_for(D))
+            fn = cm.over_instances_variants_keys(_one, groups_for(D))
             flags, excess, nk, npos, nonf, short = jax.device_get(fn(
                 jnp.asarray(batch["q"]), jnp.asarray(batch["w"]), jnp.asarray(batch["p"]),
                 jnp.asarray(batch["keys"]), jnp.asarray(signs), jnp.asarray(rs),

@@ -88,14 +88,6 @@ def _one(q, w, p, keys, seed_masks, r, vid, *, groups):
             sum(o[3] for o in out), sum(o[4] for o in out))
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled(H: int, D: int, n_keys: int, groups: int):
-    one = functools.partial(_one, groups=groups)
-    f = jax.vmap(one, in_axes=(None,) * 6 + (0,))
-    f = jax.vmap(f, in_axes=(None,) * 5 + (0, None))
-    return jax.jit(jax.vmap(f, in_axes=(0, 0, 0, 0, 0, None, None)))
-
-
 def seed_masks(rng, n_instances: int, n: int) -> np.ndarray:
     """[instances, len(K values), n] random seed subsets with K ≤ |S| ≤ n."""
     ks = k_values(n)
@@ -126,7 +118,7 @@ def check(n_instances: int = 60, seed: int = 0, shapes=cm.SHAPES_ALL, n_keys: in
             batch = cm.make_batch(rng, n_instances, H, D, n_keys, families)
             masks = seed_masks(rng, n_instances, n_keys)
             rs = np.asarray(cm.budgets(H), np.int32)
-            bad, band, rej, ex, nk = jax.device_get(_compiled(H, D, n_keys, groups_for(D))(
+            bad, band, rej, ex, nk = jax.device_get(cm.over_instances_variants_keys(_one, groups_for(D))(
                 jnp.asarray(batch["q"]), jnp.asarray(batch["w"]), jnp.asarray(batch["p"]),
                 jnp.asarray(batch["keys"]), jnp.asarray(masks), jnp.asarray(rs),
                 jnp.arange(len(variants()), dtype=jnp.int32)))

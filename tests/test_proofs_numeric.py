@@ -103,12 +103,13 @@ def test_exact_selection_theorem1():
 @pytest.fixture
 def fresh_compiles():
     """Mutations must be traced anew: drop the checks' compiled programs before and after."""
-    mods = (certificate, joint_allowance, slack_decomposition)
-    for m in mods:
-        m._compiled.cache_clear()
+    caches = (certificate._compiled, slack_decomposition._compiled,
+              cm.over_instances_variants_keys)
+    for c in caches:
+        c.cache_clear()
     yield
-    for m in mods:
-        m._compiled.cache_clear()
+    for c in caches:
+        c.cache_clear()
 
 
 def test_certificate_check_catches_a_too_small_joint_allowance(monkeypatch, fresh_compiles):
