@@ -111,7 +111,14 @@ def select_section(res, T=256, M=1 << 20, k=2048):
 # ------------------------------------------------------------------ shapes
 
 def make_inputs(shape, data: str, seed=0):
-    from dosa_jax import synthetic
+    """``data``: ``structured``/``gaussian`` (synthetic) or ``trained:<domain>:<layer>``
+    (the trained indexer's dump of the first N held-out tokens; H must be 32 or 64)."""
+    from dosa_jax import datasets, synthetic
+    if data.startswith("trained"):
+        _, dom, layer = data.split(":")
+        return datasets.trained(dom, int(layer), length=shape.N, num_queries=shape.T,
+                                heads=shape.H, key_dtype="float8_e4m3fn", query_dtype="bfloat16",
+                                source="generate")
     gen = getattr(synthetic, data)
     inp = gen(T=shape.T, N=shape.N, H=shape.H, D=shape.D, seed=seed, causal=shape.causal,
               key_dtype="float8_e4m3fn", query_dtype="bfloat16")
@@ -195,6 +202,12 @@ def shape_section(res, shape, data, iters, with_xla=True):
     out["workspace"] = workspace_bytes(
         dict(splits=S, Cs=pipeline.survivor_capacity(shape.N, shape.T, S, K),
              seeds_list=-(-(cfg.seeds() + 64) // 64) * 64), shape.T, K)
+    try:  # what XLA allocates for the DoSA call beyond inputs and outputs (measured, not computed)
+        ma = f_dosa.lower(*args).compile().memory_analysis()
+        out["workspace_xla_temp_bytes"] = int(ma.temp_size_in_bytes)
+        out["workspace_xla_output_bytes"] = int(ma.output_size_in_bytes)
+    except Exception as e:  # noqa: BLE001
+        out["workspace_xla_error"] = repr(e)[:300]
     if with_xla:
         xi, xs = f_xla(*args)
         # indices agree except where the k-th score gap is within the scorer difference
@@ -269,7 +282,7 @@ def write_report(res, path):
     if "shapes" in res:
         lines += ["| shape | data | XLA ms | dense ms | dense fp8-MMA ms | DoSA ms | DoSA/XLA | "
                   "DoSA/dense | dense TFLOP/s | survival | tau/tau* | recov | workspace GiB | "
-                  "dosa==dense |", "|" + "---|" * 14]
+                  "XLA temp GiB | dosa==dense |", "|" + "---|" * 15]
         for name, o in res["shapes"].items():
             t = o.get("times_ms", {})
             g = lambda k_: f"{t[k_]:.1f}" if k_ in t else "-"
@@ -280,6 +293,7 @@ def write_report(res, path):
                 f"{o.get('tflops', {}).get('dense_pallas', float('nan')):.0f} | "
                 f"{o['survival']:.3f} | {o['tau_over_tau_star']} | {o['recoveries']} | "
                 f"{o['workspace']['total'] / 2 ** 30:.2f} | "
+                f"{o.get('workspace_xla_temp_bytes', float('nan')) / 2 ** 30:.2f} | "
                 f"{o['dosa_eq_dense_indices'] and o['dosa_eq_dense_scores']} |")
     if "sweep" in res:
         lines += ["", f"dense tile sweep on {res['sweep']['shape']}:"]
@@ -308,7 +322,7 @@ def main(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args(argv)
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+        commit = os.environ.get("DOSA_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True).stdout.strip() or "uncommitted"
     except Exception:  # noqa: BLE001
         commit = "unknown"
