@@ -136,7 +136,8 @@ def xla_baseline(q, k, w, k_scale, lo, hi, K, chunk):
         qc, wc, loc, hic = args
         x = jnp.einsum("thd,nd->thn", qc.astype(jnp.bfloat16), kb,
                        preferred_element_type=jnp.float32)
-        s = jnp.einsum("thn,th->tn", jnp.maximum(x, 0.0), wc) * k_scale[None, :]
+        s = jnp.einsum("thn,th->tn", jnp.maximum(x, 0.0), wc,
+                       precision=lax.Precision.HIGHEST) * k_scale[None, :]  # f32, no TF32
         s = jnp.where((ids >= loc[:, None]) & (ids < hic[:, None]), s, -jnp.inf)
         return lax.top_k(s, K)
 
@@ -171,7 +172,7 @@ def shape_section(res, shape, data, iters, with_xla=True):
     out["input_s"] = time.time() - t0
     K = shape.K
     cfg = Config(top_k=K, backend="pallas", seed_size=BENCH_SEEDS)
-    visible = int(jnp.sum(hi - lo))
+    visible = int(np.sum(np.asarray(hi, np.int64) - np.asarray(lo, np.int64)))
     flops = 2.0 * shape.H * shape.D * visible
     out["flops"] = flops
 
@@ -195,13 +196,18 @@ def shape_section(res, shape, data, iters, with_xla=True):
     taus = np.asarray(st.tau_final, np.float64)
     okr = np.isfinite(tau) & np.isfinite(taus) & (taus > 0)
     out["tau_over_tau_star"] = float(np.median(tau[okr] / taus[okr])) if okr.any() else None
+    out["tau_star_positive_frac"] = float(np.mean(taus > 0))
+    out["tau_below_tau_star_median"] = float(np.median((taus - tau)[np.isfinite(tau)])) \
+        if np.isfinite(tau).any() else None
+    out["wave"] = pipeline.wave_size(shape.T, shape.N)
     out["recoveries"] = int(np.asarray(st.recoveries).sum())
     out["pruning_queries"] = int(np.asarray(st.pruning).sum())
     out["budget_mean"] = float(np.asarray(st.budget).mean())
-    S = dense_mod.default_splits(shape.T, shape.N, 4, 64)
-    out["workspace"] = workspace_bytes(
-        dict(splits=S, Cs=pipeline.survivor_capacity(shape.N, shape.T, S, K),
-             seeds_list=-(-(cfg.seeds() + 64) // 64) * 64), shape.T, K)
+    Tw = pipeline.wave_size(shape.T, shape.N)
+    S = dense_mod.default_splits(Tw, shape.N, 4, 64)
+    out["workspace"] = workspace_bytes(      # one wave's lists, records and seed lists
+        dict(splits=S, Cs=pipeline.survivor_capacity(shape.N, Tw, S, K),
+             seeds_list=-(-(cfg.seeds() + 64) // 64) * 64), Tw, K)
     try:  # what XLA allocates for the DoSA call beyond inputs and outputs (measured, not computed)
         ma = f_dosa.lower(*args).compile().memory_analysis()
         out["workspace_xla_temp_bytes"] = int(ma.temp_size_in_bytes)
@@ -220,6 +226,16 @@ def shape_section(res, shape, data, iters, with_xla=True):
     times = {}
     times["dense_pallas"], _ = timeit(f_dense, *args, iters=iters)
     times["dosa_pallas"], _ = timeit(f_dosa, *args, iters=iters)
+    # DoSA's stages by difference: the pipeline cut after seeds / screen / refine
+    for stage in ("seeds", "screen", "refine"):
+        try:
+            f_stage = jax.jit(lambda *a, s_=stage: pipeline.dosa_topk(*a, cfg, stop_after=s_))
+            if stage == "screen":
+                ov = f_stage(*args)["overflow"]
+                out["overflow_queries"] = int(jnp.sum(ov))
+            times[f"dosa_until_{stage}"], _ = timeit(f_stage, *args, iters=iters)
+        except Exception as e:  # noqa: BLE001
+            out[f"stage_{stage}_error"] = repr(e)[:300]
     if shape.N <= 131072:   # the fp8-MMA variant is a throughput probe; skipped at 1M (time)
         try:
             times["dense_pallas_fp8mma"], _ = timeit(f_dense8, *args, iters=iters)
@@ -295,6 +311,16 @@ def write_report(res, path):
                 f"{o['workspace']['total'] / 2 ** 30:.2f} | "
                 f"{o.get('workspace_xla_temp_bytes', float('nan')) / 2 ** 30:.2f} | "
                 f"{o['dosa_eq_dense_indices'] and o['dosa_eq_dense_scores']} |")
+    if "shapes" in res:
+        lines += ["", "DoSA stages (ms, cumulative: pipeline cut after the stage; median of the same runs):"]
+        for name, o in res["shapes"].items():
+            t = o.get("times_ms", {})
+            st = ", ".join(f"until {s_} {t[f'dosa_until_{s_}']:.1f}" for s_ in ("seeds", "screen", "refine")
+                           if f"dosa_until_{s_}" in t)
+            lines.append(f"- {name}: {st}; full {t.get('dosa_pallas', float('nan')):.1f}; "
+                         f"overflowed queries {o.get('overflow_queries')}; wave {o.get('wave')}; "
+                         f"tau*>0 for {o.get('tau_star_positive_frac')}; "
+                         f"median tau*-tau {o.get('tau_below_tau_star_median')}")
     if "sweep" in res:
         lines += ["", f"dense tile sweep on {res['sweep']['shape']}:"]
         for name, o in res["sweep"]["configs"].items():

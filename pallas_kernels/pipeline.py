@@ -47,13 +47,31 @@ def _check_size(N: int):
 
 
 def survivor_capacity(N: int, T: int, splits: int, K: int, capacity=None) -> int:
-    """Survivor slots per (group of 4, split)."""
+    """Survivor slots per (group of 4, split): half the split's keys, within the budget.
+
+    ``T`` is the number of queries whose lists are live at once (one wave,
+    :func:`wave_size`). A group whose survivors exceed the slots is recovered by
+    a dense scan (counted), so the capacity decides speed, never the answer.
+    """
     if capacity is not None:
         return round_up(max(capacity, 16), 16)
     span = -(-N // splits)
     groups = max(1, -(-T // 4))
-    cap = min(max(span // 4, 2 * K), SURVIVOR_BUDGET // (groups * splits))
+    cap = min(max(span // 2, 2 * K), SURVIVOR_BUDGET // (groups * splits))
     return round_up(max(cap, 256), 16)
+
+
+def wave_size(T: int, N: int) -> int:
+    """Queries screened and refined together: the survivor lists of one wave fit
+    :data:`SURVIVOR_BUDGET` at half of N per group (T·N/2 int32 entries over groups of 4).
+
+    Waves run one after another (``lax.map``); every wave is answered exactly as
+    a call on its queries alone would be, so waves change memory, not results.
+    """
+    per_query = max(1, -(-N // 8))              # int32 entries per query at N/2 per group of 4
+    w = max(256, SURVIVOR_BUDGET // per_query)
+    w = 1 << (w.bit_length() - 1)               # a power of two (whole groups and tiles)
+    return int(min(w, round_up(T, 4)))
 
 
 def seed_sizes(config):
@@ -123,15 +141,53 @@ def _plan_sample(q, k, lists, count, lo, hi, knorm, T: int):
 
 
 def dosa_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), splits=None,
-              interpret=None, return_details: bool = False):
+              interpret=None, return_details: bool = False, wave=None, stop_after=None):
     """Exact DoSA Top-K on the Pallas kernels (validated inputs, as ``dosa_jax.topk``).
+
+    The queries run in waves of ``wave`` (default :func:`wave_size`): the
+    survivor lists, records and plan of one wave are live at a time, which bounds
+    the workspace at long context and keeps the lists large enough not to overflow.
+
+    ``stop_after`` (``"seeds"``, ``"screen"`` or ``"refine"``) returns the
+    intermediate arrays of that stage instead of the answer: the benchmark times
+    the stages by difference. Not an answer; never use it for results.
 
     Returns (indices [T, K] int32, scores [T, K] float32, Stats).
     """
+    T = q.shape[0]
+    N = k.shape[0]
+    _check_size(N)
+    Tw = wave_size(T, N) if wave is None else int(min(max(wave, 4), round_up(T, 4)))
+    if Tw % 4:
+        raise ValueError(f"wave must be a multiple of 4, got {wave}")
+    if Tw >= T or return_details:
+        if return_details and Tw < T:
+            raise ValueError("return_details needs a single wave (wave >= T)")
+        return _dosa_wave(q, k, w, k_scale, lo, hi, config, tiles=tiles, splits=splits,
+                          interpret=interpret, return_details=return_details,
+                          stop_after=stop_after)
+    n = -(-T // Tw)
+    pad = n * Tw - T
+    padq = lambda a: jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1))
+    # padded queries see nothing (empty range): they are answered and dropped
+    waves = (padq(q).reshape((n, Tw) + q.shape[1:]), padq(w).reshape((n, Tw) + w.shape[1:]),
+             padq(lo.astype(jnp.int32)).reshape(n, Tw), padq(hi.astype(jnp.int32)).reshape(n, Tw))
+
+    def one(args):
+        qw, ww, low, hiw = args
+        return _dosa_wave(qw, k, ww, k_scale, low, hiw, config, tiles=tiles, splits=splits,
+                          interpret=interpret, stop_after=stop_after)
+
+    out = lax.map(one, waves)
+    return jax.tree_util.tree_map(lambda a: a.reshape((n * Tw,) + a.shape[2:])[:T], out)
+
+
+def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interpret,
+               return_details: bool = False, stop_after=None):
+    """One wave of :func:`dosa_topk` (all of its queries' lists live at once)."""
     K = config.top_k
     T, H, D = q.shape
     N = k.shape[0]
-    _check_size(N)
     config = screen_friendly(config, H)
     S = splits or dense_mod.default_splits(T, N, tiles.BQ, tiles.BK)
     ops = prepare_operands(q, w, k, k_scale, tiles.BQ)
@@ -149,6 +205,8 @@ def dosa_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), split
     tau_key = seeds.theta[:, 0]
     have_tau = seeds.count[:, 0] >= K
     tau = jnp.where(have_tau, _score_key(tau_key), -jnp.inf)
+    if stop_after == "seeds":
+        return dict(tau=tau, count=seeds.count[:T])
 
     # 2. plan (query side) + this backend's arithmetic allowance
     knorm = enc.key_norm_upper(k)
@@ -176,9 +234,14 @@ def dosa_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), split
                   interpret=interpret)
     slists, scount = surv.packed[:G4], surv.count[:G4]
     overflow_g = jnp.any(scount > slists.shape[-1], axis=1)
+    if stop_after == "screen":
+        return dict(tau=tau, count=jnp.repeat(scount, 4, axis=0)[:T],
+                    overflow=jnp.repeat(overflow_g, 4)[:T])
 
     # 4. refine survivors: s ≥ τ records, online threshold
     cand = refine(ops, slists, scount, theta_tau, K, tiles=tiles, interpret=interpret)
+    if stop_after == "refine":
+        return dict(tau=tau, count=cand.count[:T], key=cand.key[:T])
 
     # 5. recovery: overflowed groups are scanned densely from θ₀ = τ (exact, counted)
     recover = jnp.repeat(overflow_g, 4)[:T]
@@ -225,4 +288,4 @@ def dense_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), spli
                                 interpret=interpret)
 
 
-__all__ = ["dosa_topk", "dense_topk", "survivor_capacity", "INT32_MIN"]
+__all__ = ["dosa_topk", "dense_topk", "survivor_capacity", "wave_size", "INT32_MIN"]

@@ -181,6 +181,36 @@ def test_dosa_overflow_recovers_exactly():
     assert int(jnp.sum(st.recoveries)) > 0
 
 
+def test_dosa_waves_equal_one_wave_bitwise():
+    """Queries in waves (lists, plan and records of one wave live at a time): same answer,
+    padded tail wave (T=10, waves of 4) included; per-query stats unchanged except
+    ``records`` (appends between online-threshold compactions depend on the scan schedule)."""
+    inp = synthetic.structured(T=10, N=900, H=8, D=32, seed=7, key_dtype="float8_e4m3fn",
+                               query_dtype="bfloat16")
+    cfg = Config(top_k=32, retained_heads=6, seed_size=128)
+    args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi, cfg)
+    one = pipeline.dosa_topk(*args, tiles=TILES, splits=2, wave=12)
+    many = pipeline.dosa_topk(*args, tiles=TILES, splits=2, wave=4)
+    for a, b in zip(one[:2], many[:2]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for f in one[2]._fields:
+        if f != "records":
+            np.testing.assert_array_equal(np.asarray(getattr(one[2], f)),
+                                          np.asarray(getattr(many[2], f)), err_msg=f)
+    assert one[0].shape == (10, 32)
+    assert int(jnp.sum(one[2].pruning)) > 0 and int(jnp.sum(one[2].recoveries)) == 0
+
+
+def test_wave_size_bounds_survivor_lists():
+    for T, N in ((16384, 1 << 20), (16384, 1 << 17), (64, 4096), (5, 100)):
+        Tw = pipeline.wave_size(T, N)
+        assert Tw % 4 == 0 and Tw <= max(256, -(-T // 4) * 4)
+        S = dense.default_splits(Tw, N, 4, 64)
+        Cs = pipeline.survivor_capacity(N, Tw, S, 2048)
+        assert (Tw // 4) * S * Cs * 4 <= 1.01 * (1 << 30) or Tw == 256
+    assert pipeline.wave_size(16384, 1 << 20) == 2048
+
+
 def test_operand_pieces_represent_float32():
     x = jnp.asarray(np.random.default_rng(4).standard_normal((64, 32)), jnp.float32)
     p = mma_pieces(x)
@@ -202,6 +232,10 @@ def test_gpu_dense_and_dosa_bitwise_and_vs_twin():
     np.testing.assert_array_equal(np.asarray(sc), np.asarray(dsc))
     ridx, rsc = dense.dense_topk_reference(*args, cfg)
     _assert_topk_close(didx, dsc, ridx, rsc, tol=1e-3)
+    # several waves (the long-context layout) give the same answer
+    widx, wsc, _ = jax.jit(lambda *a: pipeline.dosa_topk(*a, cfg, wave=64))(*args)
+    np.testing.assert_array_equal(np.asarray(widx), np.asarray(didx))
+    np.testing.assert_array_equal(np.asarray(wsc), np.asarray(dsc))
 
 
 @pytest.mark.gpu
