@@ -129,17 +129,16 @@ def plan_tile(q, w, lo, hi, keys: KeyData, config, hint=None) -> TilePlan:
     layout = seeds_mod.seed_layout(lo, hi, config.seed_strategy, config.seeds(),
                                    config.sink_size, config.local_fraction)
     sid, svalid = seeds_mod.seed_ids(layout, S_pad)
-    s_scores, s_dots = score_ids_blocked(q, w, keys.k, keys.scale, sid, B, return_head_dots=True)
+    s_scores = score_ids_blocked(q, w, keys.k, keys.scale, sid, B)
     tau0 = seeds_mod.seed_threshold(s_scores, svalid, config.top_k)
-    sample = svalid
-    e_ids, e_dots = sid, s_dots
-    if len(config.budgets(q.shape[1])) > 1:
-        # seeds are a biased sample (local and sink keys score high): the automatic
-        # budget's survival estimate and p_h use a strided sample, scored in full (small).
-        e_lay = seeds_mod.seed_layout(lo, hi, "strided", config.budget_sample, 0, 0.0)
-        e_ids, e_valid = seeds_mod.seed_ids(e_lay, round_up_to(config.budget_sample, B))
-        _, e_dots = score_ids_blocked(q, w, keys.k, keys.scale, e_ids, B, return_head_dots=True)
-        sample = e_valid
+    # Seeds are a biased sample (local and sink keys score high and share activation
+    # patterns): p_h (head choice, majority support) and the automatic budget's survival
+    # estimate use a strided sample of the visible range, scored in full (small). This
+    # holds for a fixed budget too: p_h from the local window chose worse supports
+    # (benchmarks/results/2026-11-29_cpu_slack_analysis.md).
+    e_lay = seeds_mod.seed_layout(lo, hi, "strided", config.budget_sample, 0, 0.0)
+    e_ids, sample = seeds_mod.seed_ids(e_lay, round_up_to(config.budget_sample, B))
+    _, e_dots = score_ids_blocked(q, w, keys.k, keys.scale, e_ids, B, return_head_dots=True)
     sample = jnp.where(jnp.any(sample, axis=1, keepdims=True), sample, e_ids >= 0)
     p = jax.vmap(activation_frequencies)(e_dots, sample)
     s_norm = jnp.take(keys.norm_up, jnp.clip(e_ids, 0, npad - 1))
