@@ -21,6 +21,8 @@ The planner's float32 plans are checked by :mod:`proofs_numeric.enclosure`.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import functools
 import itertools
 
@@ -59,33 +61,57 @@ def _select(i, options):
     return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs)[i], *options)
 
 
-def _one(q, w, p, keys, r, vid, *, groups):
-    """Violation counts of one (instance, budget, variant) over all keys.
+class VariantPlan(NamedTuple):
+    """One (instance, budget, variant)'s plan in float64, as the library builds it."""
 
-    The variant index ``vid`` (traced) selects (ranking, projection, support) among
-    :func:`variants`: every library call is made for each option and the result for
-    ``vid`` kept, so one compiled program serves all variants.
-    """
+    x: jax.Array            # [n, H] head dots q_h·k
+    kn: jax.Array           # [n] ‖k‖
+    qn: jax.Array           # [H] ‖q_h‖
+    retained: jax.Array
+    omitted_pos: jax.Array
+    omitted_neg: jax.Array
+    anchor: jax.Array
+    beta: jax.Array
+    resid: jax.Array
+    support: jax.Array
+    w_fold: jax.Array
+    fold_abs: jax.Array
+
+
+def variant_plan(q, w, p, keys, r, vid) -> VariantPlan:
+    """The plan of variant ``vid`` (traced) among :func:`variants`: every library call is
+    made for each option (ranking, projection, support) and the one for ``vid`` kept, so
+    one compiled program serves all variants."""
     n_sup, n_proj = len(SUPPORTS), len(PROJECTIONS)
     i_rank, i_proj, i_sup = vid // (n_sup * n_proj), (vid // n_sup) % n_proj, vid % n_sup
-    H, D = q.shape
     x = jnp.einsum("nd,hd->nh", keys, q, precision=jax.lax.Precision.HIGHEST)
     kn = jnp.sqrt(jnp.sum(keys * keys, axis=-1))
-    s = cert.original_score(x, w)
     qn = jnp.sqrt(jnp.sum(q * q, axis=-1))
-    mag = 4.0 * kn * jnp.sum(jnp.abs(w) * qn)
-    tol = TOL * mag
-
     retained = _select(i_rank, [heads.retained_heads(w, qn, p, r, rk) for rk in RANKINGS])
     omitted_pos, omitted_neg = heads.omitted_heads(w, retained)
     anchor, beta, resid = _select(i_proj, [positive.anchor_projection(q, retained, omitted_pos, pj)
                                            for pj in PROJECTIONS])
+    support = _select(i_sup, [negative.negative_support(p, omitted_neg, sp) for sp in SUPPORTS])
     w_fold, fold_abs = fold_float64(w, retained, omitted_pos, anchor, beta)
+    return VariantPlan(x, kn, qn, retained, omitted_pos, omitted_neg, anchor, beta, resid,
+                       support, w_fold, fold_abs)
+
+
+def _one(q, w, p, keys, r, vid, *, groups):
+    """Violation counts of one (instance, budget, variant) over all keys (:func:`variant_plan`)."""
+    H, D = q.shape
+    vp = variant_plan(q, w, p, keys, r, vid)
+    x, kn, retained, omitted_pos = vp.x, vp.kn, vp.retained, vp.omitted_pos
+    anchor, beta, resid, w_fold, fold_abs = vp.anchor, vp.beta, vp.resid, vp.w_fold, vp.fold_abs
+    s = cert.original_score(x, w)
+    mag = 4.0 * kn * jnp.sum(jnp.abs(w) * vp.qn)
+    tol = TOL * mag
+
     u = jnp.where(omitted_pos[:, None], w[:, None] * resid, 0.0)
     e_tri = positive.triangle_allowance(w, resid, omitted_pos)
     e_joint = positive.joint_allowance(u)
     e_grp = positive.grouped_allowance(u, groups)
-    support = _select(i_sup, [negative.negative_support(p, omitted_neg, sp) for sp in SUPPORTS])
+    support = vp.support
     sw = jnp.where(support, jnp.abs(w), 0.0)
 
     excess = []  # (s - U) per claim, [claims, n]

@@ -35,7 +35,7 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Dict, Optional, Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp

@@ -30,10 +30,9 @@ import numpy as np
 
 from dosa_jax import diagnostics
 from dosa_jax.bounds import certificate as cert
-from dosa_jax.bounds import heads, negative, positive
+from dosa_jax.bounds import positive
 from proofs_numeric import _common as cm
-from proofs_numeric.certificate import (PROJECTIONS, RANKINGS, SUPPORTS, _select, fold_float64,
-                                        groups_for, variants)
+from proofs_numeric.certificate import groups_for, variant_plan, variants
 
 NAME = "margin_equivalence"
 CLAIM = "Eq. 17: U < tau <=> Delta > delta + b for tau <= tau*; rejected keys have s < tau*"
@@ -47,24 +46,15 @@ def k_values(n: int) -> tuple:
 
 def _one(q, w, p, keys, seed_masks, r, vid, *, groups):
     """seed_masks [len(K values), n] bool: the seed subsets S (|S| ≥ K)."""
-    n_sup, n_proj = len(SUPPORTS), len(PROJECTIONS)
-    i_rank, i_proj, i_sup = vid // (n_sup * n_proj), (vid // n_sup) % n_proj, vid % n_sup
+    vp = variant_plan(q, w, p, keys, r, vid)
+    x, kn, omitted_pos, resid = vp.x, vp.kn, vp.omitted_pos, vp.resid
     n = keys.shape[0]  # static
-    x = jnp.einsum("nd,hd->nh", keys, q, precision=jax.lax.Precision.HIGHEST)
-    kn = jnp.sqrt(jnp.sum(keys * keys, axis=-1))
-    qn = jnp.sqrt(jnp.sum(q * q, axis=-1))
-    retained = _select(i_rank, [heads.retained_heads(w, qn, p, r, rk) for rk in RANKINGS])
-    omitted_pos, omitted_neg = heads.omitted_heads(w, retained)
-    anchor, beta, resid = _select(i_proj, [positive.anchor_projection(q, retained, omitted_pos, pj)
-                                           for pj in PROJECTIONS])
-    support = _select(i_sup, [negative.negative_support(p, omitted_neg, sp) for sp in SUPPORTS])
-    w_fold, _ = fold_float64(w, retained, omitted_pos, anchor, beta)
     u = jnp.where(omitted_pos[:, None], w[:, None] * resid, 0.0)
     E = jnp.minimum(jnp.minimum(positive.triangle_allowance(w, resid, omitted_pos),
                                 positive.joint_allowance(u)), positive.grouped_allowance(u, groups))
-    U = cert.certificate(x, kn, w_fold, E, jnp.where(support, jnp.abs(w), 0.0))
+    U = cert.certificate(x, kn, vp.w_fold, E, jnp.where(vp.support, jnp.abs(w), 0.0))
     s = cert.original_score(x, w)
-    mag = 4.0 * kn * jnp.sum(jnp.abs(w) * qn)
+    mag = 4.0 * kn * jnp.sum(jnp.abs(w) * vp.qn)
     desc = -jnp.sort(-s)
     out = []
     for i, K in enumerate(k_values(n)):

@@ -20,10 +20,9 @@ import numpy as np
 
 from dosa_jax import diagnostics
 from dosa_jax.bounds import certificate as cert
-from dosa_jax.bounds import heads, negative, positive
+from dosa_jax.bounds import positive
 from proofs_numeric import _common as cm
-from proofs_numeric.certificate import (PROJECTIONS, RANKINGS, SUPPORTS, _select, fold_float64,
-                                        variants)
+from proofs_numeric.certificate import variant_plan, variants
 
 NAME = "slack_decomposition"
 CLAIM = "Eq. 14: U - s == delta_P + sum_{N\\A} c relu(x) + min(Z+, Z-) exactly; all terms >= 0"
@@ -32,23 +31,15 @@ LABELS = ("equality", "delta_P>=0", "uncovered>=0", "cancellation>=0")
 
 
 def _one(q, w, p, keys, r, vid):
-    n_sup, n_proj = len(SUPPORTS), len(PROJECTIONS)
-    i_rank, i_proj, i_sup = vid // (n_sup * n_proj), (vid // n_sup) % n_proj, vid % n_sup
-    x = jnp.einsum("nd,hd->nh", keys, q, precision=jax.lax.Precision.HIGHEST)
-    kn = jnp.sqrt(jnp.sum(keys * keys, axis=-1))
-    qn = jnp.sqrt(jnp.sum(q * q, axis=-1))
-    tol = TOL * 4.0 * kn * jnp.sum(jnp.abs(w) * qn)
-    retained = _select(i_rank, [heads.retained_heads(w, qn, p, r, rk) for rk in RANKINGS])
-    omitted_pos, omitted_neg = heads.omitted_heads(w, retained)
-    anchor, beta, resid = _select(i_proj, [positive.anchor_projection(q, retained, omitted_pos, pj)
-                                           for pj in PROJECTIONS])
-    support = _select(i_sup, [negative.negative_support(p, omitted_neg, sp) for sp in SUPPORTS])
-    w_fold, _ = fold_float64(w, retained, omitted_pos, anchor, beta)
+    vp = variant_plan(q, w, p, keys, r, vid)
+    x, kn, omitted_pos, resid = vp.x, vp.kn, vp.omitted_pos, vp.resid
+    tol = TOL * 4.0 * kn * jnp.sum(jnp.abs(w) * vp.qn)
     rn = jnp.sqrt(jnp.sum(resid * resid, axis=-1))
     e_tri = positive.triangle_allowance(w, resid, omitted_pos)
-    U = cert.certificate(x, kn, w_fold, e_tri, jnp.where(support, jnp.abs(w), 0.0))
+    U = cert.certificate(x, kn, vp.w_fold, e_tri, jnp.where(vp.support, jnp.abs(w), 0.0))
     s = cert.original_score(x, w)
-    t = diagnostics.slack_decomposition(x, kn, w, omitted_pos, omitted_neg, support, anchor, beta, rn)
+    t = diagnostics.slack_decomposition(x, kn, w, omitted_pos, vp.omitted_neg, vp.support, vp.anchor,
+                                         vp.beta, rn)
     gap = jnp.abs(t.total - (U - s))
     bad = jnp.stack([~(gap <= tol), ~(t.positive >= -tol), ~(t.uncovered_negative >= 0),
                      ~(t.cancellation >= 0)])
