@@ -160,11 +160,30 @@ def workspace_bytes(det, T, K, BK=64):
                 total=surv + records + seeds)
 
 
-def shape_section(res, shape, data, iters, with_xla=True):
+def parse_tiles(spec):
+    """``layout:BK:num_warps:num_stages`` (e.g. ``kh:128:8:3``) -> Tiles (BQ = 4); '' -> default."""
+    from pallas_kernels import dense as dense_mod
+    if not spec:
+        return dense_mod.Tiles()
+    lay, bk, nw, ns = spec.split(":")
+    return dense_mod.Tiles(BQ=4, BK=int(bk), num_warps=int(nw), num_stages=int(ns), layout=lay)
+
+
+def tiles_name(t):
+    return f"{t.layout}:{t.BK}:{t.num_warps}:{t.num_stages}"
+
+
+def shape_section(res, shape, data, iters, with_xla=True, tiles_spec="", stages=True):
     from dosa_jax.config import Config
     from pallas_kernels import dense as dense_mod
     from pallas_kernels import pipeline
-    out = dict(shape=shape._asdict(), data=data)
+    if tiles_spec == "best":   # the fastest dense configuration of this run's sweep
+        cfgs = {k_: v for k_, v in res.get("sweep", {}).get("configs", {}).items() if "ms" in v}
+        if not cfgs:
+            raise RuntimeError("--tiles best needs a successful sweep section before it")
+        tiles_spec = min(cfgs, key=lambda k_: cfgs[k_]["ms"])
+    tiles = parse_tiles(tiles_spec)
+    out = dict(shape=shape._asdict(), data=data, tiles=tiles_name(tiles))
     t0 = time.time()
     inp = make_inputs(shape, data)
     q, k, w, sc, lo, hi = inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi
@@ -176,8 +195,8 @@ def shape_section(res, shape, data, iters, with_xla=True):
     flops = 2.0 * shape.H * shape.D * visible
     out["flops"] = flops
 
-    f_dosa = jax.jit(lambda *a: pipeline.dosa_topk(*a, cfg))
-    f_dense = jax.jit(lambda *a: pipeline.dense_topk(*a, cfg))
+    f_dosa = jax.jit(lambda *a: pipeline.dosa_topk(*a, cfg, tiles=tiles))
+    f_dense = jax.jit(lambda *a: pipeline.dense_topk(*a, cfg, tiles=tiles))
     f_dense8 = jax.jit(lambda q, *a: dense_mod.dense_topk(q.astype(jnp.float8_e4m3fn), *a, cfg,
                                                         mma_dtype=jnp.float8_e4m3fn))
     chunk = max(1, min(shape.T, (1 << 29) // (shape.H * shape.N)))
@@ -203,8 +222,11 @@ def shape_section(res, shape, data, iters, with_xla=True):
     out["recoveries"] = int(np.asarray(st.recoveries).sum())
     out["pruning_queries"] = int(np.asarray(st.pruning).sum())
     out["budget_mean"] = float(np.asarray(st.budget).mean())
+    out["budget_hist"] = {int(b): int(c) for b, c in zip(*np.unique(np.asarray(st.budget),
+                                                                     return_counts=True))}
+    out["overflows"] = int(np.asarray(st.overflows).sum())
     Tw = pipeline.wave_size(shape.T, shape.N)
-    S = dense_mod.default_splits(Tw, shape.N, 4, 64)
+    S = dense_mod.default_splits(Tw, shape.N, 4, tiles.BK)
     out["workspace"] = workspace_bytes(      # one wave's lists, records and seed lists
         dict(splits=S, Cs=pipeline.survivor_capacity(shape.N, Tw, S, K),
              seeds_list=-(-(cfg.seeds() + 64) // 64) * 64), Tw, K)
@@ -227,12 +249,14 @@ def shape_section(res, shape, data, iters, with_xla=True):
     times["dense_pallas"], _ = timeit(f_dense, *args, iters=iters)
     times["dosa_pallas"], _ = timeit(f_dosa, *args, iters=iters)
     # DoSA's stages by difference: the pipeline cut after seeds / screen / refine
-    for stage in ("seeds", "screen", "refine"):
+    for stage in (("seeds", "screen", "refine") if stages else ()):
         try:
-            f_stage = jax.jit(lambda *a, s_=stage: pipeline.dosa_topk(*a, cfg, stop_after=s_))
+            f_stage = jax.jit(lambda *a, s_=stage: pipeline.dosa_topk(*a, cfg, tiles=tiles,
+                                                                      stop_after=s_))
             if stage == "screen":
-                ov = f_stage(*args)["overflow"]
-                out["overflow_queries"] = int(jnp.sum(ov))
+                cut = f_stage(*args)
+                out["overflow_queries"] = int(jnp.sum(cut["overflow"]))
+                out["direct_queries"] = int(jnp.sum(cut["direct"]))
             times[f"dosa_until_{stage}"], _ = timeit(f_stage, *args, iters=iters)
         except Exception as e:  # noqa: BLE001
             out[f"stage_{stage}_error"] = repr(e)[:300]
@@ -245,16 +269,26 @@ def shape_section(res, shape, data, iters, with_xla=True):
         times["xla_baseline"], _ = timeit(f_xla, *args, warmup=1, iters=iters)
     out["times_ms"] = {k_: v * 1e3 for k_, v in times.items()}
     out["tflops"] = {k_: flops / v / 1e12 for k_, v in times.items()}
+    if not with_xla:   # the same shape's baseline from this run (other tiles), if any
+        for o in res.get("shapes", {}).values():
+            if o["shape"]["name"] == shape.name and "xla_baseline" in o.get("times_ms", {}):
+                times["xla_baseline"] = o["times_ms"]["xla_baseline"] / 1e3
+                out["xla_from"] = o["tiles"]
+                out["times_ms"]["xla_baseline"] = o["times_ms"]["xla_baseline"]
+                with_xla = True
+                break
     if with_xla:
         out["dosa_vs_xla"] = times["xla_baseline"] / times["dosa_pallas"]
         out["dense_vs_xla"] = times["xla_baseline"] / times["dense_pallas"]
     out["dosa_vs_dense"] = times["dense_pallas"] / times["dosa_pallas"]
     log(shape.name, "times", out["times_ms"], "tflops", out["tflops"])
-    res.setdefault("shapes", {})[shape.name] = out
+    key = shape.name if not tiles_spec else f"{shape.name}@{tiles_name(tiles)}"
+    res.setdefault("shapes", {})[key] = out
 
 
-def sweep_section(res, shape, data, iters):
-    """Dense scan tile configurations (time + bitwise agreement with the default tile)."""
+def sweep_section(res, shape, data, iters, specs):
+    """Dense scan tile configurations: time, and agreement with the first configuration
+    (indices; scores may differ in the last bits between MMA layouts)."""
     from dosa_jax.config import Config
     from pallas_kernels import dense as dense_mod
     inp = make_inputs(shape, data)
@@ -263,21 +297,24 @@ def sweep_section(res, shape, data, iters):
     flops = 2.0 * shape.H * shape.D * int(jnp.sum(inp.hi - inp.lo))
     base = None
     out = {}
-    for bq, bk, nw, ns in ((4, 64, 4, 2), (8, 64, 8, 2), (16, 64, 8, 2)):
-        tiles = dense_mod.Tiles(BQ=bq, BK=bk, num_warps=nw, num_stages=ns)
-        name = f"BQ{bq}_BK{bk}_w{nw}_s{ns}"
+    for spec in specs:
+        tiles = parse_tiles(spec)
+        name = tiles_name(tiles)
         try:
             f = jax.jit(lambda *a, t=tiles: dense_mod.dense_topk(*a, cfg, tiles=t))
             i, sc = f(*args)
             if base is None:
                 base = (i, sc)
-            same = bool(jnp.all(i == base[0]) & jnp.all(sc == base[1]))
+            same_idx = float(jnp.mean(jnp.sort(i, axis=1) == jnp.sort(base[0], axis=1)))
+            diff = float(jnp.max(jnp.abs(jnp.where(jnp.isfinite(sc), sc, 0)
+                                         - jnp.where(jnp.isfinite(base[1]), base[1], 0))))
             t, _ = timeit(f, *args, iters=iters)
-            out[name] = dict(ms=t * 1e3, tflops=flops / t / 1e12, bitwise_same_as_first=same)
+            out[name] = dict(ms=t * 1e3, tflops=flops / t / 1e12, index_agreement=same_idx,
+                             max_score_diff=diff)
         except Exception as e:  # noqa: BLE001
             out[name] = dict(error=repr(e)[:400])
         log("sweep", name, out[name])
-    res["sweep"] = dict(shape=shape.name, configs=out)
+    res["sweep"] = dict(shape=shape.name, data=data, configs=out)
 
 
 # ------------------------------------------------------------------ report
@@ -285,7 +322,7 @@ def sweep_section(res, shape, data, iters):
 def write_report(res, path):
     lines = [f"# DoSA Pallas benchmark ({res['date']})", "",
              f"device: {res['device']}; jax {res['jax']}; commit {res['commit']}; "
-             f"DoSA config: Config(top_k=2048, seed_size={BENCH_SEEDS}), budgets capped to 2^j-1", ""]
+             f"DoSA config: Config(top_k=2048, seed_size={BENCH_SEEDS}), budgets r with r + A a power of two", ""]
     if "peak" in res:
         p = res["peak"]
         lines += [f"XLA matmul 8192^3: fp8 {p['matmul_fp8_tflops']:.0f} TFLOP/s, "
@@ -318,14 +355,17 @@ def write_report(res, path):
             st = ", ".join(f"until {s_} {t[f'dosa_until_{s_}']:.1f}" for s_ in ("seeds", "screen", "refine")
                            if f"dosa_until_{s_}" in t)
             lines.append(f"- {name}: {st}; full {t.get('dosa_pallas', float('nan')):.1f}; "
-                         f"overflowed queries {o.get('overflow_queries')}; wave {o.get('wave')}; "
+                         f"overflowed queries {o.get('overflow_queries')}; direct to dense "
+                         f"{o.get('direct_queries')}; budgets {o.get('budget_hist')}; "
+                         f"wave {o.get('wave')}; "
                          f"tau*>0 for {o.get('tau_star_positive_frac')}; "
                          f"median tau*-tau {o.get('tau_below_tau_star_median')}")
     if "sweep" in res:
         lines += ["", f"dense tile sweep on {res['sweep']['shape']}:"]
         for name, o in res["sweep"]["configs"].items():
             lines.append(f"- {name}: " + (f"{o['ms']:.2f} ms, {o['tflops']:.0f} TFLOP/s, "
-                                          f"bitwise same as first: {o['bitwise_same_as_first']}"
+                                          f"index agreement with the first {o['index_agreement']:.6f}, "
+                                          f"max score diff {o['max_score_diff']:.3g}"
                                           if "ms" in o else o["error"]))
     if "mma_error" in res:
         lines += ["", "MMA dot error (max over pairs of |err| / sum|a_j b_j|):"]
@@ -344,7 +384,14 @@ def main(argv=None):
     ap.add_argument("--sections", default="peak,mma,select,shapes")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--no-xla", action="store_true")
-    ap.add_argument("--sweep-shape", default="prefill_T4k_N128k_H32")
+    ap.add_argument("--sweep-shape", default="prefill_T16k_N128k_H32")
+    ap.add_argument("--sweep-tiles", default="hk:64:4:2,hk:128:8:3,kh:64:4:2,kh:128:4:3,kh:128:8:3",
+                    help="layout:BK:num_warps:num_stages,... for the dense tile sweep")
+    ap.add_argument("--tiles", default="",
+                    help="tile configs for the shapes section (','-separated; '' = default)")
+    ap.add_argument("--no-stages", action="store_true", help="skip the per-stage DoSA timings")
+    ap.add_argument("--stages-max-n", type=int, default=1 << 30,
+                    help="per-stage DoSA timings only for shapes with N at most this")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args(argv)
     try:
@@ -360,13 +407,21 @@ def main(argv=None):
         jobs.append(("mma", lambda: mma_section(res)))
     if "select" in secs:
         jobs.append(("select", lambda: select_section(res)))
-    if "shapes" in secs:
-        for name in a.shapes.split(","):
-            if name:
-                jobs.append((name, lambda n=name: shape_section(res, SHAPES[n], a.data, a.iters,
-                                                                not a.no_xla)))
     if "sweep" in secs:
-        jobs.append(("sweep", lambda: sweep_section(res, SHAPES[a.sweep_shape], a.data, a.iters)))
+        jobs.append(("sweep", lambda: sweep_section(res, SHAPES[a.sweep_shape], a.data, a.iters,
+                                                    a.sweep_tiles.split(","))))
+    if "shapes" in secs:
+        seen = set()
+        for entry in a.shapes.split(","):
+            if not entry:
+                continue
+            name, _, own = entry.partition("@")   # "shape@layout:BK:warps:stages" or "shape@best"
+            for spec in ([own] if own else a.tiles.split(",")):
+                # the XLA baseline once per shape (it does not depend on the tiles)
+                jobs.append((f"{name}@{spec}", lambda n=name, sp=spec, x=(name not in seen): shape_section(
+                    res, SHAPES[n], a.data, a.iters, x and not a.no_xla, sp,
+                    not a.no_stages and SHAPES[n].N <= a.stages_max_n)))
+                seen.add(name)
     if "peak" in secs:
         jobs.append(("peak", lambda: peak_section(res)))
     for name, job in jobs:

@@ -29,7 +29,7 @@ from dosa_jax.selection import INT32_MIN, order_key, select_by_position
 from pallas_kernels import records as rec
 from pallas_kernels.common import (THETA_NONE, split_key_tiles, compiler_params, interpret_default, mma_pieces,
                                    next_pow2, piece_pairs, pad_axis, round_up, kernel_order_key)
-from pallas_kernels.scoring import score_reference, score_tile
+from pallas_kernels.scoring import load_query_tile, score_reference, score_tile
 
 Array = jax.Array
 
@@ -46,6 +46,7 @@ class Tiles(NamedTuple):
     CH: int = 512        # record slots per pass of the threshold search
     num_warps: int = 4
     num_stages: int = 2
+    layout: str = "hk"   # MMA layout of the scoring tile (:func:`pallas_kernels.scoring.score_tile`)
 
 
 class Candidates(NamedTuple):
@@ -71,11 +72,15 @@ class Operands(NamedTuple):
     fp8_mma: bool = False
 
 
-def prepare_operands(q, w, k, k_scale, BQ: int, mma_dtype=jnp.bfloat16) -> Operands:
-    """Pieces, pads (heads to a power of two with zero weights, D to ≥ 16, T to BQ)."""
+def prepare_operands(q, w, k, k_scale, BQ: int, mma_dtype=jnp.bfloat16,
+                     layout: str = "hk") -> Operands:
+    """Pieces, pads (heads to a power of two with zero weights, D to ≥ 16, T to BQ).
+
+    ``layout="kh"`` multiplies keys by one query's H heads, so H is padded to ≥ 16.
+    """
     T, H, D = q.shape
     Hp = next_pow2(max(H, 1))
-    while BQ * Hp < 16:
+    while BQ * Hp < 16 or (layout == "kh" and Hp < 16):
         Hp *= 2
     Dp = max(16, next_pow2(D))
     Tpad = round_up(max(T, 1), BQ)
@@ -109,8 +114,7 @@ def _dense_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, H: int, N: int, S: int,
     g = pl.program_id(0)
     s = pl.program_id(1)
     size = rk_ref.shape[0]
-    qp = [q_ref[pl.ds(g * BQ * H, BQ * H), :] for q_ref in q_refs]
-    wv = w_ref[pl.ds(g * BQ * H, BQ * H)]
+    qp, wv = load_query_tile(q_refs, w_ref, g, BQ=BQ, H=H, layout=tiles.layout)
     lo = lo_ref[pl.ds(g * BQ, BQ)]
     hi = hi_ref[pl.ds(g * BQ, BQ)]
     theta0 = th_ref[pl.ds(g * BQ, BQ)]
@@ -128,7 +132,8 @@ def _dense_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, H: int, N: int, S: int,
             rec._plgpu().load(k_ref.at[pl.ds(j * BK, BK), :], mask=inb[:, None])
             for k_ref in k_refs]
         scale = rec._plgpu().load(sc_ref.at[pl.ds(j * BK, BK)], mask=inb, other=1.0)
-        sc = score_tile(qp, wv, kp, scale, BQ=BQ, H=H, pairs=pairs, fp8_mma=fp8_mma)
+        sc = score_tile(qp, wv, kp, scale, BQ=BQ, H=H, pairs=pairs, fp8_mma=fp8_mma,
+                        layout=tiles.layout)
         key = kernel_order_key(sc)
         idb = jnp.broadcast_to(ids[None, :], (BQ, BK))
         elig = (idb >= lo[:, None]) & (idb < hi[:, None]) & (key != INT32_MIN)
@@ -227,7 +232,7 @@ def dense_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), spli
     K = config.top_k
     T = q.shape[0]
     N = k.shape[0]
-    ops = prepare_operands(q, w, k, k_scale, tiles.BQ, mma_dtype)
+    ops = prepare_operands(q, w, k, k_scale, tiles.BQ, mma_dtype, tiles.layout)
     S = splits or default_splits(T, N, tiles.BQ, tiles.BK)
     theta0 = jnp.full((T,), THETA_NONE, jnp.int32)
     cand = dense_candidates(ops, lo, hi, theta0, K, splits=S,

@@ -43,10 +43,15 @@ def key_split_error(k_dtype) -> float:
     return 0.0 if jnp.dtype(k_dtype) in (BF16, FP8) else 2.0 ** -14
 
 
-def representation_error(x):
-    """‖x − pieces(x)‖ upper bound along the last axis (float32 in, any float dtype)."""
+def representation_error(x, single_piece: bool = False):
+    """‖x − pieces(x)‖ upper bound along the last axis (float32 in, any float dtype).
+
+    ``single_piece``: the one-bf16-piece representation of screening rows
+    (:func:`pallas_kernels.screen.row_pieces`), 0 for rows exact in bf16.
+    """
     xf = x.astype(jnp.float32)
-    diff = xf - pieces_value(mma_pieces(x)).astype(jnp.float32)
+    pieces = xf.astype(BF16)[None] if single_piece else mma_pieces(x)
+    diff = xf - pieces_value(pieces).astype(jnp.float32)
     return nm.norm_upper(diff)
 
 
@@ -73,7 +78,8 @@ def scorer_error_coefficient(q, w, k_dtype):
     return nm.inflate(head + tree, 2 * H + 4)
 
 
-def screening_error_coefficient(rows, row_w, aggregate, k_dtype, coef_plan):
+def screening_error_coefficient(rows, row_w, aggregate, k_dtype, coef_plan,
+                                single_piece: bool = False):
     """E_u: |Û_kernel − Û_real| ≤ n_i E_u for the screening expression (rows f32 in pieces).
 
     Retained rows through the ReLU times |w̃_r|, aggregate rows summed before
@@ -84,9 +90,10 @@ def screening_error_coefficient(rows, row_w, aggregate, k_dtype, coef_plan):
     A = aggregate.shape[1]
     rn = nm.norm_upper(rows.astype(jnp.float32))
     an = nm.norm_upper(aggregate.astype(jnp.float32))
-    n_pairs = 2 + (jnp.dtype(k_dtype) not in (BF16, FP8))
-    er = dot_error_per_norm(rn, representation_error(rows), D, k_dtype, n_pairs)
-    ea = dot_error_per_norm(an, representation_error(aggregate), D, k_dtype, n_pairs)
+    n_pairs = (1 if single_piece else 2) + (jnp.dtype(k_dtype) not in (BF16, FP8))
+    er = dot_error_per_norm(rn, representation_error(rows, single_piece), D, k_dtype, n_pairs)
+    ea = dot_error_per_norm(an, representation_error(aggregate, single_piece), D, k_dtype,
+                            n_pairs)
     aw = jnp.abs(row_w.astype(jnp.float32))
     dots = jnp.sum(aw * er, axis=-1) + jnp.sum(ea, axis=-1)
     mag = (jnp.sum(aw * (rn + er), axis=-1) + jnp.sum(an + ea, axis=-1)
@@ -96,10 +103,19 @@ def screening_error_coefficient(rows, row_w, aggregate, k_dtype, coef_plan):
     return nm.inflate(dots + tree, 2 * (R + A) + 8)
 
 
-def kernel_coefficient(q, w, plan, k_dtype):
-    """coef for the screening kernel: plan residual + plan error + E_s + E_u (upward)."""
+def kernel_coefficient(q, w, plan, k_dtype, single_piece: bool = False, aggregate=None,
+                       aggregate_error=None):
+    """coef for the screening kernel: plan residual + plan error + E_s + E_u (upward).
+
+    ``aggregate``/``aggregate_error``: the rows the screen actually uses for the
+    negative aggregate and ‖a − Σ rows‖ (:func:`pallas_kernels.screen.split_aggregate_bf16`),
+    in place of ``plan.aggregate``; ``single_piece`` as the screen's rows.
+    """
     coef_plan = plan.residual + plan.error
+    if aggregate_error is not None:
+        coef_plan = nm.upper_sum(coef_plan, aggregate_error)
+    agg = plan.aggregate if aggregate is None else aggregate
     e_s = scorer_error_coefficient(q, w, k_dtype)
-    e_u = screening_error_coefficient(plan.rows, plan.row_weights, plan.aggregate, k_dtype,
-                                      coef_plan)
+    e_u = screening_error_coefficient(plan.rows, plan.row_weights, agg, k_dtype, coef_plan,
+                                      single_piece)
     return nm.upper_sum(coef_plan, e_s, e_u)

@@ -23,7 +23,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from dosa_jax import enclosure as enc
+from dosa_jax import numerics as nm
 from dosa_jax.bounds.heads import activation_frequencies
+from dosa_jax.budget import estimated_survival
 from dosa_jax.pipeline import Stats
 from dosa_jax.planner import build_plan
 from dosa_jax.selection import INT32_MIN, key_to_score
@@ -33,7 +35,7 @@ from pallas_kernels import records as rec
 from pallas_kernels.common import MAX_KEYS, THETA_NONE, round_up
 from pallas_kernels.dense import Tiles, prepare_operands
 from pallas_kernels.refine import group_seed_lists, refine
-from pallas_kernels.screen import prepare_screen, screen
+from pallas_kernels.screen import prepare_screen, screen, split_aggregate_bf16
 
 #: Survivor-list budget (entries, int32) over all groups and splits: 1 GiB.
 SURVIVOR_BUDGET = 1 << 28
@@ -93,19 +95,19 @@ def seed_capacity(K: int, BK: int) -> int:
     return K + 8 * BK
 
 
-def screen_friendly(config, H: int):
-    """Budgets r with r + 1 plan rows filling a power of two (no padded MMA rows).
-
-    The screening tile stacks R + A rows per query, padded to a power of two; a
-    budget that is itself a power of two (with A = 1) would double the rows.
-    Correctness holds for any retained set (SPEC §4), so r = 2^j is replaced by
-    2^j − 1.
-    """
-    cap = lambda b: b - 1 if b >= 2 and (b & (b - 1)) == 0 else b
+def screen_friendly(config, H: int, A: int = 1):
+    """The config with every budget replaced by :func:`screen_friendly_budget` (A aggregate rows)."""
     if isinstance(config.retained_heads, int):
         r = min(max(config.retained_heads, 1), max(H - 1, 1))
-        return config.replace(retained_heads=cap(r))
-    return config.replace(budget_candidates=tuple(sorted({cap(b) for b in config.budgets(H)})))
+        return config.replace(retained_heads=screen_friendly_budget(r, A, H))
+    return config.replace(budget_candidates=tuple(sorted(
+        {screen_friendly_budget(b, A, H) for b in config.budgets(H)})))
+
+
+#: A query whose estimated survival (planner sample) exceeds this is scanned densely
+#: from θ₀ = τ at once: screening it would cost more than it saves, and its group's
+#: survivor list (N/2 slots) would likely overflow and be rescanned anyway.
+DIRECT_SURVIVAL = 0.5
 
 
 def _score_key(theta):
@@ -113,18 +115,21 @@ def _score_key(theta):
     return jnp.where(theta > THETA_NONE, key_to_score(theta), -jnp.inf)
 
 
-def _plan_sample(q, k, lists, count, lo, hi, knorm, T: int):
-    """Head dots of PLAN_SAMPLE keys of each group's seed list (XLA, float32) for the planner."""
-    L = lists.shape[-1]
-    j = jnp.arange(PLAN_SAMPLE, dtype=jnp.int32)[None, :]
-    n = count[:, 0][:, None]
-    slot = jnp.minimum((j * jnp.maximum(n, 1)) // PLAN_SAMPLE, L - 1)
-    e = jnp.take_along_axis(lists[:, 0, :], slot, axis=1)
-    ok_g = (j < n) & (e >= 0)
-    ids = jnp.where(ok_g, e & ((1 << 27) - 1), 0)                   # [G4, P]
-    ids_q = jnp.repeat(ids, 4, axis=0)[:T]                           # [T, P]
-    ok_q = jnp.repeat(ok_g, 4, axis=0)[:T]
-    ok_q = ok_q & (ids_q >= lo[:, None]) & (ids_q < hi[:, None])
+def _plan_sample(q, k, k_scale, knorm, lo, hi, config):
+    """Head dots of a strided sample of each query's visible range (XLA, float32), for the
+    planner: activation frequencies p_h and the automatic budget's survival estimate.
+
+    The same sample as the reference pipeline (``dosa_jax.pipeline``): the seeds are a
+    biased sample (mostly the local window), which chose worse supports and budgets.
+    Returns (payload dots [T, P, H] for p_h, dots and norms in score units (× α_i),
+    validity [T, P]).
+    """
+    from dosa_jax import seeds as seeds_mod
+    T = q.shape[0]
+    P = round_up(config.budget_sample, 8)
+    lay = seeds_mod.seed_layout(lo, hi, "strided", config.budget_sample, 0, 0.0)
+    ids, valid = seeds_mod.seed_ids(lay, P)
+    ids = jnp.clip(ids, 0, k.shape[0] - 1)
 
     def chunk(args):
         qc, idc = args
@@ -134,10 +139,31 @@ def _plan_sample(q, k, lists, count, lo, hi, knorm, T: int):
     c = 256
     Tp = round_up(T, c)
     qp = jnp.pad(q, ((0, Tp - T), (0, 0), (0, 0)))
-    ip = jnp.pad(ids_q, ((0, Tp - T), (0, 0)))
+    ip = jnp.pad(ids, ((0, Tp - T), (0, 0)))
     dots = lax.map(chunk, (qp.reshape(Tp // c, c, *q.shape[1:]), ip.reshape(Tp // c, c, -1)))
-    dots = dots.reshape(Tp, PLAN_SAMPLE, q.shape[1])[:T]
-    return dots, jnp.take(knorm, ids_q), ok_q
+    dots = dots.reshape(Tp, P, q.shape[1])[:T]
+    norms = jnp.take(knorm, ids)
+    s_dots, s_valid = dots, valid
+    if k_scale is not None:   # head dots are on payloads: U in score units is α·U(k̄)
+        alpha = jnp.take(k_scale.astype(jnp.float32), ids)
+        s_dots = dots * alpha[..., None]
+        norms = norms * alpha
+        s_valid = valid & enc.scale_is_valid(alpha)
+    return dots, valid, s_dots, norms, s_valid
+
+
+def screen_friendly_budget(r: int, A: int, H: int) -> int:
+    """A budget whose plan rows r + A fill a power of two (no padded MMA rows).
+
+    Rounds r up to ``next_pow2(r + A) − A`` when that does not cross the power of
+    two above r (the rows are padded to it anyway: retaining more heads is free),
+    down to ``next_pow2(r) − A`` when it would (r = 16, A = 2 would need 32 rows).
+    Correctness holds for any retained set (SPEC §4).
+    """
+    from pallas_kernels.common import next_pow2
+    up = next_pow2(r + A)
+    r2 = up - A if up == next_pow2(r) else next_pow2(r) - A
+    return int(min(max(r2, 1), max(H - 1, 1)))
 
 
 def dosa_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), splits=None,
@@ -188,9 +214,12 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     K = config.top_k
     T, H, D = q.shape
     N = k.shape[0]
-    config = screen_friendly(config, H)
+    # the screen's rows are one bf16 MMA piece when the retained rows q_j are exact in
+    # bf16 (bf16 or FP8 queries); the negative aggregate then takes two rows (hi, lo)
+    single = jnp.dtype(q.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn))
+    config = screen_friendly(config, H, A=2 if single else 1)
     S = splits or dense_mod.default_splits(T, N, tiles.BQ, tiles.BK)
-    ops = prepare_operands(q, w, k, k_scale, tiles.BQ)
+    ops = prepare_operands(q, w, k, k_scale, tiles.BQ, layout=tiles.layout)
     Tpad4 = ops.q.shape[1] // ops.H
     G4 = Tpad4 // 4
     lo = lo.astype(jnp.int32)
@@ -210,11 +239,18 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
 
     # 2. plan (query side) + this backend's arithmetic allowance
     knorm = enc.key_norm_upper(k)
-    dots, snorm, svalid = _plan_sample(q, k, lists, lcount, lo, hi, knorm, T)
-    p = jax.vmap(activation_frequencies)(dots, svalid)
-    plan, _, budget = build_plan(q.astype(jnp.float32), w, p, config, sample_dots=dots,
-                                 sample_norms=snorm, sample_valid=svalid, tau=tau)
-    coef = knum.kernel_coefficient(q, w, plan, k.dtype)
+    dots, valid, sdots, snorm, svalid = _plan_sample(q, k, k_scale, knorm, lo, hi, config)
+    p = jax.vmap(activation_frequencies)(dots, valid)
+    plan, details, budget = build_plan(q.astype(jnp.float32), w, p, config, sample_dots=sdots,
+                                       sample_norms=snorm, sample_valid=svalid, tau=tau)
+    if single:
+        agg_rows, agg_err = split_aggregate_bf16(plan.aggregate)
+        eps = nm.upper_sum(plan.eps_raw, jnp.float32(
+            4.0 * D * plan.aggregate.shape[1] * nm.ETA32))   # the extra rows' flushed results
+    else:
+        agg_rows, agg_err, eps = plan.aggregate, None, plan.eps_raw
+    coef = knum.kernel_coefficient(q, w, plan, k.dtype, single_piece=single, aggregate=agg_rows,
+                                   aggregate_error=agg_err)
     if k_scale is None:
         bad_scale = jnp.zeros((T,), bool)
     else:
@@ -222,29 +258,39 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
         prefix = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(bad, dtype=jnp.int32)])
         bad_scale = (prefix[hi] - prefix[lo]) > 0
     prune = (plan.prune & have_tau & ~bad_scale & jnp.isfinite(coef) & jnp.isfinite(tau)
-             & jnp.isfinite(plan.eps_raw))
+             & jnp.isfinite(eps))
     theta_tau = jnp.where(prune, tau_key, THETA_NONE)
+    # queries that cannot prune, or whose sample says most keys survive, go straight to
+    # the dense scan (from θ₀ = τ) with their group of 4: exact either way, only faster
+    est = jax.vmap(estimated_survival)(sdots, snorm, svalid, tau, details)
+    nonempty = hi > lo
+    direct_q = nonempty & (~prune | (est > DIRECT_SURVIVAL))
+    direct_g = jnp.any(jnp.pad(direct_q, (0, Tpad4 - T)).reshape(G4, 4), axis=1)
+    direct = jnp.repeat(direct_g, 4)[:T]
 
-    # 3. screen
+    # 3. screen (direct groups see no keys here)
     Dp = ops.k.shape[-1]
-    sops = prepare_screen(plan.rows, plan.row_weights, plan.aggregate, plan.aggregate_linear,
-                          coef, plan.eps_raw, tau, prune, Dp)
+    sops = prepare_screen(plan.rows, plan.row_weights, agg_rows, plan.aggregate_linear,
+                          coef, eps, tau, prune, Dp, single_piece=single)
     Cs = survivor_capacity(N, T, S, K, config.capacity)
-    surv = screen(sops, lo, hi, ops.k, knorm, ops.scale, splits=S, capacity=Cs, BK=tiles.BK,
+    slo = jnp.where(direct, 0, lo)
+    shi = jnp.where(direct, 0, hi)
+    surv = screen(sops, slo, shi, ops.k, knorm, ops.scale, splits=S, capacity=Cs, BK=tiles.BK,
                   interpret=interpret)
     slists, scount = surv.packed[:G4], surv.count[:G4]
     overflow_g = jnp.any(scount > slists.shape[-1], axis=1)
     if stop_after == "screen":
         return dict(tau=tau, count=jnp.repeat(scount, 4, axis=0)[:T],
-                    overflow=jnp.repeat(overflow_g, 4)[:T])
+                    overflow=jnp.repeat(overflow_g, 4)[:T], direct=direct)
 
     # 4. refine survivors: s ≥ τ records, online threshold
     cand = refine(ops, slists, scount, theta_tau, K, tiles=tiles, interpret=interpret)
     if stop_after == "refine":
         return dict(tau=tau, count=cand.count[:T], key=cand.key[:T])
 
-    # 5. recovery: overflowed groups are scanned densely from θ₀ = τ (exact, counted)
-    recover = jnp.repeat(overflow_g, 4)[:T]
+    # 5. recovery: overflowed and direct groups are scanned densely from θ₀ = τ (exact, counted)
+    overflow = jnp.repeat(overflow_g, 4)[:T]
+    recover = overflow | direct
 
     def recover_fn(c):
         rlo = jnp.where(recover, lo, 0)
@@ -267,13 +313,16 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     survivors = jnp.sum(surv.per_query, axis=1)
     stats = Stats(visible=n_vis, seeds=n_seeds[:T], screened=n_vis,
                   survivors=jnp.where(recover, n_vis, survivors),
-                  records=jnp.sum(cand.appended, axis=1), rounds=1 + rint, overflows=rint,
-                  recoveries=rint, pruning=prune, budget=budget,
+                  records=jnp.sum(cand.appended, axis=1), rounds=1 + rint,
+                  overflows=overflow.astype(jnp.int32), recoveries=rint, pruning=prune,
+                  budget=budget,
                   tau_seed=jnp.where(prune, tau, -jnp.inf),
                   tau_final=jnp.where(kth, sc[:, K - 1], -jnp.inf))
     if return_details:
-        return idx, sc, stats, dict(plan=plan, coef=coef, surv=surv, cand=cand, seeds=seeds,
-                                    Cs=Cs, splits=S)
+        return idx, sc, stats, dict(plan=plan, coef=coef, eps=eps, surv=surv, cand=cand,
+                                    seeds=seeds, Cs=Cs, splits=S, direct=direct,
+                                    estimated_survival=est, aggregate_rows=agg_rows,
+                                    single_piece=single)
     return idx, sc, stats
 
 

@@ -31,7 +31,7 @@ from pallas_kernels import records as rec
 from pallas_kernels.common import (ID_BITS, ID_MASK, THETA_NONE, compiler_params,
                                    interpret_default, kernel_order_key, round_up)
 from pallas_kernels.dense import Candidates, Operands, Tiles, capacity_for
-from pallas_kernels.scoring import score_tile
+from pallas_kernels.scoring import load_query_tile, score_tile
 
 Array = jax.Array
 
@@ -48,8 +48,7 @@ def _refine_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, H: int, S: int, Cl: in
     s = pl.program_id(1)
     size = rk_ref.shape[0]
     lsize = sv_ref.shape[0]
-    qp = [q_ref[pl.ds(g * BQ * H, BQ * H), :] for q_ref in q_refs]
-    wv = w_ref[pl.ds(g * BQ * H, BQ * H)]
+    qp, wv = load_query_tile(q_refs, w_ref, g, BQ=BQ, H=H, layout=tiles.layout)
     theta0 = th_ref[pl.ds(g * BQ, BQ)]
     t_ids = g * BQ + jnp.arange(BQ, dtype=jnp.int32)
     base = (t_ids * S + s) * C
@@ -72,7 +71,7 @@ def _refine_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, H: int, S: int, Cl: in
         # kid is clamped to 0 on invalid lanes: every gather address is in bounds
         kp = [k_ref[kid[:, None], dcol[None, :]] for k_ref in k_refs]
         scale = rec._plgpu().load(sc_ref.at[kid], mask=valid, other=1.0)
-        sc = score_tile(qp, wv, kp, scale, BQ=BQ, H=H, pairs=pairs)
+        sc = score_tile(qp, wv, kp, scale, BQ=BQ, H=H, pairs=pairs, layout=tiles.layout)
         key = kernel_order_key(sc)
         mine = ((bits[None, :] >> qsel[:, None]) & 1) != 0
         elig = mine & valid[None, :] & (key != INT32_MIN)

@@ -26,19 +26,43 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
 from pallas_kernels.common import as_mma_operand, pieces_value, piece_pairs
 
 Array = jax.Array
 
 
+def load_query_tile(q_refs, w_ref, g, *, BQ: int, H: int, layout: str):
+    """Load query group ``g``'s operand rows and head weights inside a kernel.
+
+    ``layout="hk"``: one [BQ*H, D] block per piece and a [BQ*H] weight vector.
+    ``layout="kh"``: per piece a list of BQ [H, D] blocks, and BQ [H] weight vectors.
+    """
+    if layout == "hk":
+        rows = pl.ds(g * BQ * H, BQ * H)
+        return [q_ref[rows, :] for q_ref in q_refs], w_ref[rows]
+    qs = [[q_ref[pl.ds((g * BQ + i) * H, H), :] for i in range(BQ)] for q_ref in q_refs]
+    return qs, [w_ref[pl.ds((g * BQ + i) * H, H)] for i in range(BQ)]
+
+
 def score_tile(q_pieces, w_rows, k_pieces, scale, *, BQ: int, H: int, pairs,
-               fp8_mma: bool = False):
+               fp8_mma: bool = False, layout: str = "hk"):
     """Scores of a tile inside a kernel.
 
+    Two MMA layouts compute the same function with different rounding orders
+    (each is used by *every* scoring kernel of a run, so their scores agree):
+
+    * ``"hk"``: one dot [BQ*H, D] × [D, BK] (query heads as MMA rows); the head
+      sum reduces across the accumulator's rows.
+    * ``"kh"``: per query one dot [BK, D] × [D, H] (keys as MMA rows, H ≥ 16);
+      the head sum reduces along the accumulator's columns, which a thread holds
+      (in-thread adds and a quad shuffle instead of a cross-warp reduction).
+
     Args:
-      q_pieces: list of [BQ*H, D] MMA operands (rows = query-major, head-minor).
-      w_rows: [BQ*H] float32 head weights (0 for padding heads).
+      q_pieces: per piece, [BQ*H, D] ("hk") or a list of BQ [H, D] ("kh") operands
+        (:func:`load_query_tile`).
+      w_rows: [BQ*H] ("hk") or BQ × [H] ("kh") float32 head weights (0 for padding heads).
       k_pieces: list of [BK, D] MMA operands.
       scale: [BK] float32 key scales α_i.
       pairs: static (q piece, k piece) products to sum, in order.
@@ -46,14 +70,28 @@ def score_tile(q_pieces, w_rows, k_pieces, scale, *, BQ: int, H: int, pairs,
     Returns:
       [BQ, BK] float32 scores.
     """
-    x = None
-    for a, b in pairs:
-        d = jnp.dot(as_mma_operand(q_pieces[a], fp8_mma),
-                    as_mma_operand(k_pieces[b], fp8_mma).T, preferred_element_type=jnp.float32)
-        x = d if x is None else x + d
-    bk = x.shape[-1]
-    y = jnp.maximum(x, 0.0) * w_rows[:, None]
-    s = jnp.sum(y.reshape(BQ, H, bk), axis=1)
+    if layout == "kh":
+        bk = k_pieces[0].shape[0]
+        qi = lax.broadcasted_iota(jnp.int32, (BQ, bk), 0)
+        s = jnp.zeros((BQ, bk), jnp.float32)
+        for i in range(BQ):
+            x = None
+            for a, b in pairs:
+                d = lax.dot_general(as_mma_operand(k_pieces[b], fp8_mma),
+                                    as_mma_operand(q_pieces[a][i], fp8_mma),
+                                    (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                x = d if x is None else x + d                        # [BK, H]
+            si = jnp.sum(jnp.maximum(x, 0.0) * w_rows[i][None, :], axis=1)
+            s = jnp.where(qi == i, jnp.broadcast_to(si[None, :], (BQ, bk)), s)
+    else:
+        x = None
+        for a, b in pairs:
+            d = jnp.dot(as_mma_operand(q_pieces[a], fp8_mma),
+                        as_mma_operand(k_pieces[b], fp8_mma).T, preferred_element_type=jnp.float32)
+            x = d if x is None else x + d
+        bk = x.shape[-1]
+        y = jnp.maximum(x, 0.0) * w_rows[:, None]
+        s = jnp.sum(y.reshape(BQ, H, bk), axis=1)
     s = s * scale[None, :]
     return jnp.where(s == 0, 0.0, s)
 

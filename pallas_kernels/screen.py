@@ -68,11 +68,41 @@ def screen_queries_per_program(Rp: int, T: int) -> int:
     return bq
 
 
-def prepare_screen(rows, row_w, aggregate, linear, coef, eps, tau, prune, Dp: int, BQs=None):
+def row_pieces(x: Array, single: bool) -> Array:
+    """MMA pieces of screening rows: one bf16 piece (``single``; any rounding is
+    charged by :func:`pallas_kernels.numerics.representation_error`), else hi + lo."""
+    return x.astype(jnp.bfloat16)[None] if single else mma_pieces(x.astype(jnp.float32))
+
+
+def split_aggregate_bf16(aggregate: Array):
+    """Aggregate rows a = hi + lo (+ e) as two bf16-exact rows each, and ‖e‖ bounded upward.
+
+    The screen sums the aggregate rows' dots *before* the ReLU (Eq. 8), so two rows
+    hi, lo give ``(hi + lo)·k̄``; the residual e = a − hi − lo (|e| ≤ 2^-16 |a|)
+    moves z by at most ‖e‖ n_i, which joins the coefficient. With the retained
+    rows exact in bf16 (bf16 or FP8 queries) the whole plan is then one MMA piece.
+
+    Returns:
+      ([T, 2A, D] float32 rows exactly representable in bf16, [T] float32 ‖e‖ upper).
+    """
+    from dosa_jax import numerics as nm
+    a = aggregate.astype(jnp.float32)
+    hi = a.astype(jnp.bfloat16).astype(jnp.float32)
+    lo = (a - hi).astype(jnp.bfloat16).astype(jnp.float32)
+    e = (a - hi) - lo                                  # both subtractions exact in float32
+    err = jnp.sum(nm.norm_upper(e), axis=-1)
+    return jnp.concatenate([hi, lo], axis=1), nm.inflate(err, aggregate.shape[1] + 1)
+
+
+def prepare_screen(rows, row_w, aggregate, linear, coef, eps, tau, prune, Dp: int, BQs=None,
+                   single_piece: bool = False):
     """Stack retained rows and aggregate rows per query; pad to Rp rows, Dp columns, BQs queries.
 
     Args:
       rows: [T, R, D] float32; row_w: [T, R]; aggregate: [T, A, D]; the rest [T].
+      single_piece: feed the rows as one bf16 piece (one MMA per key tile instead of
+        two); ``coef`` must then include their rounding
+        (:func:`pallas_kernels.numerics.kernel_coefficient` with the same flag).
     """
     T, R, D = rows.shape
     A = aggregate.shape[1]
@@ -81,7 +111,7 @@ def prepare_screen(rows, row_w, aggregate, linear, coef, eps, tau, prune, Dp: in
     Tpad = round_up(T, BQs)
     allr = jnp.concatenate([rows.astype(jnp.float32), aggregate.astype(jnp.float32)], axis=1)
     allr = pad_axis(pad_axis(pad_axis(allr, 1, Rp), 2, Dp), 0, Tpad)
-    pieces = mma_pieces(allr)  # [Pr, Tpad, Rp, Dp]
+    pieces = row_pieces(allr, single_piece)  # [Pr, Tpad, Rp, Dp]
     rw = pad_axis(pad_axis(jnp.concatenate(
         [row_w.astype(jnp.float32), jnp.zeros((T, A), jnp.float32)], axis=1), 1, Rp), 0, Tpad)
     am = pad_axis(pad_axis(jnp.concatenate(
@@ -221,13 +251,13 @@ def screen(sops: ScreenOperands, lo, hi, k_pieces, knorm, scale, *, splits: int,
 
 
 def screening_bound_reference(rows, row_w, aggregate, linear, coef, eps, k_pieces, knorm,
-                              scale) -> Array:
+                              scale, single_piece: bool = False) -> Array:
     """jnp twin of :func:`bound_tile` on full arrays: U [T, N] with the same operand pieces."""
     T, R, D = rows.shape
     allr = jnp.concatenate([rows, aggregate], axis=1).astype(jnp.float32)
     Dp = k_pieces.shape[-1]
     allr = pad_axis(allr, 2, Dp)
-    rp = mma_pieces(allr)
+    rp = row_pieces(allr, single_piece)
     y = None
     for a, b in piece_pairs(rp.shape[0], k_pieces.shape[0]):
         d = jnp.einsum("trd,nd->tnr", rp[a].astype(jnp.float32), k_pieces[b].astype(jnp.float32),

@@ -23,6 +23,7 @@ from pallas_kernels.common import THETA_NONE, mma_pieces, on_gpu
 
 ON_GPU = on_gpu()
 TILES = dense.Tiles(BQ=4, BK=16, CH=32)
+TILES_KH = TILES._replace(layout="kh")   # keys as MMA rows (score_tile's second layout)
 
 
 def _assert_topk_close(idx, sc, ridx, rsc, tol=1e-5):
@@ -44,11 +45,12 @@ def fp8_inputs():
                               query_dtype="bfloat16")
 
 
-def test_dense_matches_twin_with_compactions(fp8_inputs):
+@pytest.mark.parametrize("tiles", [TILES, TILES_KH], ids=["hk", "kh"])
+def test_dense_matches_twin_with_compactions(fp8_inputs, tiles):
     inp = fp8_inputs
     cfg = Config(top_k=32)
     idx, sc, cand = dense.dense_topk(inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi, cfg,
-                                     tiles=TILES, splits=2, return_candidates=True)
+                                     tiles=tiles, splits=2, return_candidates=True)
     ridx, rsc = dense.dense_topk_reference(inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi, cfg)
     _assert_topk_close(idx, sc, ridx, rsc)
     # the online threshold really compacted (more appended than the buffer holds)
@@ -96,7 +98,8 @@ def test_exact_topk_matches_reference_with_ties_nan_and_bad_guess():
     assert int(st["fallback_rows"][4]) == 1
 
 
-def test_screen_matches_twin():
+@pytest.mark.parametrize("single_piece", [False, True], ids=["two_pieces", "one_piece"])
+def test_screen_matches_twin(single_piece):
     inp = synthetic.structured(T=8, N=500, H=4, D=32, seed=2, key_dtype="float8_e4m3fn",
                                query_dtype="bfloat16")
     T = 8
@@ -106,6 +109,11 @@ def test_screen_matches_twin():
     rows = q32[:, :R]
     row_w = jnp.abs(inp.w[:, :R])
     agg = q32[:, R:R + A] * 0.3
+    if single_piece:   # the pipeline's form: aggregate as hi + lo rows, retained rows bf16-exact
+        agg, agg_err = screen.split_aggregate_bf16(agg)
+        assert agg.shape[1] == 2 * A and bool(jnp.all(agg_err >= 0))
+        np.testing.assert_array_equal(np.asarray(agg.astype(jnp.bfloat16).astype(jnp.float32)),
+                                      np.asarray(agg))
     linear = jnp.asarray(rng.random(T) < 0.3)
     coef = jnp.full((T,), 0.05, jnp.float32)
     eps = jnp.full((T,), 1e-30, jnp.float32)
@@ -114,11 +122,13 @@ def test_screen_matches_twin():
     ops = dense.prepare_operands(inp.q, inp.w, inp.k, inp.k_scale, 4)
     from dosa_jax.enclosure import key_norm_upper
     knorm = key_norm_upper(inp.k)
-    sops = screen.prepare_screen(rows, row_w, agg, linear, coef, eps, tau, prune, ops.k.shape[-1])
+    sops = screen.prepare_screen(rows, row_w, agg, linear, coef, eps, tau, prune, ops.k.shape[-1],
+                                 single_piece=single_piece)
+    assert sops.rows.shape[0] == (1 if single_piece else 2)
     surv = screen.screen(sops, inp.lo, inp.hi, ops.k, knorm, ops.scale, splits=2, capacity=512,
                          BK=16)
     U = screen.screening_bound_reference(rows, row_w, agg, linear, coef, eps, ops.k, knorm,
-                                         ops.scale)
+                                         ops.scale, single_piece=single_piece)
     m = np.asarray(screen.survivors_reference(U, tau, prune, inp.lo, inp.hi))
     # unpack the kernel's lists into a [T, N] mask
     got = np.zeros_like(m)
@@ -137,14 +147,41 @@ def test_screen_matches_twin():
     assert all(np.all(np.diff(x) > 0) for x in ids)            # ascending, distinct
 
 
-def test_dosa_pallas_equals_dense_pallas_bitwise():
+@pytest.mark.parametrize("query_dtype", ["bfloat16", "float32"])
+def test_pallas_screening_bound_holds_on_every_key(query_dtype):
+    """The Pallas pipeline's screening bound (plan + kernel coefficient, one or two MMA pieces)
+    is ≥ the kernels' score on every (query, key): checked on the twins, all keys."""
+    from pallas_kernels.scoring import score_reference
+    inp = synthetic.structured(T=8, N=1200, H=8, D=32, seed=4, key_dtype="float8_e4m3fn",
+                               query_dtype=query_dtype)
+    cfg = Config(top_k=32, retained_heads=5, seed_size=256, capacity=1024)
+    _, _, st, det = pipeline.dosa_topk(inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi, cfg,
+                                       tiles=TILES, splits=2, return_details=True)
+    single = det["single_piece"]
+    assert single == (query_dtype == "bfloat16")
+    plan = det["plan"]
+    ops = dense.prepare_operands(inp.q, inp.w, inp.k, inp.k_scale, 4)
+    from dosa_jax.enclosure import key_norm_upper
+    U = screen.screening_bound_reference(plan.rows, plan.row_weights, det["aggregate_rows"],
+                                         plan.aggregate_linear, det["coef"], det["eps"], ops.k,
+                                         key_norm_upper(inp.k), ops.scale, single_piece=single)
+    s = score_reference(mma_pieces(inp.q), inp.w, mma_pieces(inp.k), inp.k_scale)
+    U, s = np.asarray(U), np.asarray(s)
+    assert np.all(U >= s), f"{int(np.sum(U < s))} keys with U < s"
+    # the bound is not vacuous: the screen rejected keys of pruning queries
+    assert int(jnp.sum(st.pruning)) > 0
+    assert int(jnp.sum(st.survivors)) < int(jnp.sum(st.visible))
+
+
+@pytest.mark.parametrize("tiles", [TILES, TILES_KH], ids=["hk", "kh"])
+def test_dosa_pallas_equals_dense_pallas_bitwise(tiles):
     inp = synthetic.structured(T=8, N=1500, H=8, D=32, seed=3, key_dtype="float8_e4m3fn",
                                query_dtype="bfloat16")
     cfg = Config(top_k=32, retained_heads=6, seed_size=256, capacity=1024)
     idx, sc, st, det = pipeline.dosa_topk(inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi, cfg,
-                                          tiles=TILES, splits=2, return_details=True)
+                                          tiles=tiles, splits=2, return_details=True)
     didx, dsc = pipeline.dense_topk(inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi, cfg,
-                                    tiles=TILES, splits=2)
+                                    tiles=tiles, splits=2)
     np.testing.assert_array_equal(np.asarray(idx), np.asarray(didx))
     np.testing.assert_array_equal(np.asarray(sc), np.asarray(dsc))
     ridx, rsc = dense.dense_topk_reference(inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi, cfg)
@@ -221,19 +258,21 @@ def test_operand_pieces_represent_float32():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
-def test_gpu_dense_and_dosa_bitwise_and_vs_twin():
+@pytest.mark.parametrize("layout", ["hk", "kh"])
+def test_gpu_dense_and_dosa_bitwise_and_vs_twin(layout):
     inp = synthetic.structured(T=256, N=32768, H=32, D=128, seed=5, key_dtype="float8_e4m3fn",
                                query_dtype="bfloat16")
     cfg = Config(top_k=2048)
+    tiles = dense.Tiles(layout=layout)
     args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)
-    idx, sc, st = jax.jit(lambda *a: pipeline.dosa_topk(*a, cfg))(*args)
-    didx, dsc = jax.jit(lambda *a: pipeline.dense_topk(*a, cfg))(*args)
+    idx, sc, st = jax.jit(lambda *a: pipeline.dosa_topk(*a, cfg, tiles=tiles))(*args)
+    didx, dsc = jax.jit(lambda *a: pipeline.dense_topk(*a, cfg, tiles=tiles))(*args)
     np.testing.assert_array_equal(np.asarray(idx), np.asarray(didx))
     np.testing.assert_array_equal(np.asarray(sc), np.asarray(dsc))
     ridx, rsc = dense.dense_topk_reference(*args, cfg)
     _assert_topk_close(didx, dsc, ridx, rsc, tol=1e-3)
     # several waves (the long-context layout) give the same answer
-    widx, wsc, _ = jax.jit(lambda *a: pipeline.dosa_topk(*a, cfg, wave=64))(*args)
+    widx, wsc, _ = jax.jit(lambda *a: pipeline.dosa_topk(*a, cfg, tiles=tiles, wave=64))(*args)
     np.testing.assert_array_equal(np.asarray(widx), np.asarray(didx))
     np.testing.assert_array_equal(np.asarray(wsc), np.asarray(dsc))
 
