@@ -83,7 +83,7 @@ def mma_section(res):
     log("mma_error", json.dumps(res["mma_error"]))
 
 
-def select_section(res, T=256, M=1 << 20, k=2048):
+def select_section(res, T=256, M=1 << 20, k=2048, variants=()):
     from dosa_jax.selection import exact_topk as ref_topk
     from pallas_kernels.select import exact_topk
     x = jax.random.normal(jax.random.PRNGKey(3), (T, M), jnp.float32)
@@ -105,6 +105,16 @@ def select_section(res, T=256, M=1 << 20, k=2048):
     res["select"] = dict(shape=[T, M], k=k, equal=ok, equal_ties_nan=ok_ties,
                          lax_top_k_ms=t_lax * 1e3, reference_ms=t_ref * 1e3,
                          pallas_ms=t_new * 1e3, speedup_vs_lax=t_lax / t_new)
+    var = {}
+    for v in variants:   # exact_topk's block / splits (0: default), timed in the same run
+        bk, sp = (int(x) for x in v.split(":"))
+        f_v = jax.jit(lambda x, b=bk, s_=sp: exact_topk(x, k, block=b, splits=s_ or None))
+        iv, sv = f_v(x)
+        jv, tv = f_v(y)
+        same = bool(jnp.all(iv == i1) & jnp.all(sv == s1) & jnp.all(jv == j1) & jnp.all(tv == t1))
+        t_v, _ = timeit(f_v, x)
+        var[v] = dict(ms=t_v * 1e3, speedup_vs_lax=t_lax / t_v, equal=same)
+    res["select"]["variants"] = var
     log("select", res["select"])
 
 
@@ -161,36 +171,52 @@ def workspace_bytes(det, T, K, BK=64):
 
 
 def parse_tiles(spec):
-    """``layout:BK:num_warps:num_stages`` (e.g. ``kh:128:8:3``) -> Tiles (BQ = 4); '' -> default."""
+    """``layout:BK:warps:stages[:screen_layout:screen_bq:screen_warps][/seeds]`` -> (Tiles, seeds).
+
+    E.g. ``kh:128:4:3:kh:8:4/8192``; BQ is 4 (the refinement group); '' -> defaults.
+    """
     from pallas_kernels import dense as dense_mod
+    spec, _, seeds = spec.partition("/")
+    seeds = int(seeds) if seeds else BENCH_SEEDS
     if not spec:
-        return dense_mod.Tiles()
-    lay, bk, nw, ns = spec.split(":")
-    return dense_mod.Tiles(BQ=4, BK=int(bk), num_warps=int(nw), num_stages=int(ns), layout=lay)
+        return dense_mod.Tiles(), seeds
+    f = spec.split(":")
+    t = dense_mod.Tiles(BQ=4, BK=int(f[1]), num_warps=int(f[2]), num_stages=int(f[3]), layout=f[0])
+    if len(f) > 4:
+        t = t._replace(screen_layout=f[4], screen_bq=int(f[5]), screen_warps=int(f[6]))
+    return t, seeds
 
 
-def tiles_name(t):
-    return f"{t.layout}:{t.BK}:{t.num_warps}:{t.num_stages}"
+def tiles_name(t, seeds=None):
+    name = (f"{t.layout}:{t.BK}:{t.num_warps}:{t.num_stages}:{t.screen_layout}:{t.screen_bq}:"
+            f"{t.screen_warps}")
+    return name if seeds is None else f"{name}/{seeds}"
+
+
+def _best(res, section):
+    cfgs = {k_: v for k_, v in res.get(section, {}).get("configs", {}).items() if "ms" in v}
+    if not cfgs:
+        raise RuntimeError(f"best configuration: no successful {section} section before it")
+    return min(cfgs, key=lambda k_: cfgs[k_]["ms"])
 
 
 def shape_section(res, shape, data, iters, with_xla=True, tiles_spec="", stages=True):
     from dosa_jax.config import Config
     from pallas_kernels import dense as dense_mod
     from pallas_kernels import pipeline
-    if tiles_spec == "best":   # the fastest dense configuration of this run's sweep
-        cfgs = {k_: v for k_, v in res.get("sweep", {}).get("configs", {}).items() if "ms" in v}
-        if not cfgs:
-            raise RuntimeError("--tiles best needs a successful sweep section before it")
-        tiles_spec = min(cfgs, key=lambda k_: cfgs[k_]["ms"])
-    tiles = parse_tiles(tiles_spec)
-    out = dict(shape=shape._asdict(), data=data, tiles=tiles_name(tiles))
+    if tiles_spec == "best":     # the fastest dense configuration of this run's sweep
+        tiles_spec = _best(res, "sweep")
+    elif tiles_spec == "dbest":  # the fastest DoSA configuration of this run's DoSA sweep
+        tiles_spec = _best(res, "dosa_sweep")
+    tiles, seeds = parse_tiles(tiles_spec)
+    out = dict(shape=shape._asdict(), data=data, tiles=tiles_name(tiles, seeds))
     t0 = time.time()
     inp = make_inputs(shape, data)
     q, k, w, sc, lo, hi = inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi
     jax.block_until_ready((q, k, w, sc))
     out["input_s"] = time.time() - t0
     K = shape.K
-    cfg = Config(top_k=K, backend="pallas", seed_size=BENCH_SEEDS)
+    cfg = Config(top_k=K, backend="pallas", seed_size=seeds)
     visible = int(np.sum(np.asarray(hi, np.int64) - np.asarray(lo, np.int64)))
     flops = 2.0 * shape.H * shape.D * visible
     out["flops"] = flops
@@ -282,7 +308,7 @@ def shape_section(res, shape, data, iters, with_xla=True, tiles_spec="", stages=
         out["dense_vs_xla"] = times["xla_baseline"] / times["dense_pallas"]
     out["dosa_vs_dense"] = times["dense_pallas"] / times["dosa_pallas"]
     log(shape.name, "times", out["times_ms"], "tflops", out["tflops"])
-    key = shape.name if not tiles_spec else f"{shape.name}@{tiles_name(tiles)}"
+    key = shape.name if not tiles_spec else f"{shape.name}@{tiles_name(tiles, seeds)}"
     res.setdefault("shapes", {})[key] = out
 
 
@@ -298,7 +324,7 @@ def sweep_section(res, shape, data, iters, specs):
     base = None
     out = {}
     for spec in specs:
-        tiles = parse_tiles(spec)
+        tiles, _ = parse_tiles(spec)
         name = tiles_name(tiles)
         try:
             f = jax.jit(lambda *a, t=tiles: dense_mod.dense_topk(*a, cfg, tiles=t))
@@ -317,6 +343,39 @@ def sweep_section(res, shape, data, iters, specs):
     res["sweep"] = dict(shape=shape.name, data=data, configs=out)
 
 
+def dosa_sweep_section(res, shape, data, iters, specs):
+    """DoSA configurations (scoring tiles, screening kernel, seed count): time, survival, and
+    bitwise equality with the dense kernel of the same scoring tiles."""
+    from dosa_jax.config import Config
+    from pallas_kernels import pipeline
+    inp = make_inputs(shape, data)
+    args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)
+    dense_out = {}
+    out = {}
+    for spec in specs:
+        tiles, seeds = parse_tiles(spec)
+        name = tiles_name(tiles, seeds)
+        cfg = Config(top_k=shape.K, backend="pallas", seed_size=seeds)
+        try:
+            score_tiles = tiles._replace(screen_layout="hk", screen_bq=0, screen_warps=4)
+            if score_tiles not in dense_out:
+                dense_out[score_tiles] = jax.jit(
+                    lambda *a, t=tiles: pipeline.dense_topk(*a, cfg, tiles=t))(*args)
+            ei, es = dense_out[score_tiles]
+            f = jax.jit(lambda *a, t=tiles, c=cfg: pipeline.dosa_topk(*a, c, tiles=t))
+            i, sc, st = f(*args)
+            same = bool(jnp.all(i == ei) & jnp.all((sc == es) | (jnp.isnan(sc) & jnp.isnan(es))))
+            t, _ = timeit(f, *args, iters=iters)
+            surv = float(np.sum(np.asarray(st.survivors, np.float64))
+                         / max(np.sum(np.asarray(st.visible, np.float64)), 1))
+            out[name] = dict(ms=t * 1e3, survival=surv, dosa_eq_dense=same,
+                             recoveries=int(np.asarray(st.recoveries).sum()))
+        except Exception as e:  # noqa: BLE001
+            out[name] = dict(error=repr(e)[:400])
+        log("dosa_sweep", name, out[name])
+    res["dosa_sweep"] = dict(shape=shape.name, data=data, configs=out)
+
+
 # ------------------------------------------------------------------ report
 
 def write_report(res, path):
@@ -332,6 +391,9 @@ def write_report(res, path):
         lines += [f"exact_topk {s['shape']} k={s['k']}: pallas {s['pallas_ms']:.2f} ms, "
                   f"lax.top_k {s['lax_top_k_ms']:.2f} ms ({s['speedup_vs_lax']:.1f}x), "
                   f"equal={s['equal']}, equal(ties/NaN)={s['equal_ties_nan']}", ""]
+        for v, o in s.get("variants", {}).items():
+            lines += [f"- block:splits {v}: {o['ms']:.2f} ms ({o['speedup_vs_lax']:.1f}x), "
+                      f"equal={o['equal']}"]
     if "shapes" in res:
         lines += ["| shape | data | XLA ms | dense ms | dense fp8-MMA ms | DoSA ms | DoSA/XLA | "
                   "DoSA/dense | dense TFLOP/s | survival | tau/tau* | recov | workspace GiB | "
@@ -367,6 +429,13 @@ def write_report(res, path):
                                           f"index agreement with the first {o['index_agreement']:.6f}, "
                                           f"max score diff {o['max_score_diff']:.3g}"
                                           if "ms" in o else o["error"]))
+    if "dosa_sweep" in res:
+        lines += ["", f"DoSA configuration sweep on {res['dosa_sweep']['shape']} "
+                      f"({res['dosa_sweep']['data']}):"]
+        for name, o in res["dosa_sweep"]["configs"].items():
+            lines.append(f"- {name}: " + (f"{o['ms']:.2f} ms, survival {o['survival']:.4f}, "
+                                          f"recoveries {o['recoveries']}, DoSA == dense bitwise "
+                                          f"{o['dosa_eq_dense']}" if "ms" in o else o["error"]))
     if "mma_error" in res:
         lines += ["", "MMA dot error (max over pairs of |err| / sum|a_j b_j|):"]
         for dt, d in res["mma_error"].items():
@@ -387,6 +456,11 @@ def main(argv=None):
     ap.add_argument("--sweep-shape", default="prefill_T16k_N128k_H32")
     ap.add_argument("--sweep-tiles", default="hk:64:4:2,hk:128:8:3,kh:64:4:2,kh:128:4:3,kh:128:8:3",
                     help="layout:BK:num_warps:num_stages,... for the dense tile sweep")
+    ap.add_argument("--dosa-sweep", default="hk:64:4:2,kh:128:4:3,kh:128:4:3:kh:4:4,"
+                    "kh:128:4:3:kh:8:4,kh:128:4:3:kh:8:4/8192,kh:128:4:3:kh:8:4/4096",
+                    help="DoSA configurations (see parse_tiles) for the DoSA sweep")
+    ap.add_argument("--select-variants", default="",
+                    help="exact_topk block:splits variants to time beside the default")
     ap.add_argument("--tiles", default="",
                     help="tile configs for the shapes section (','-separated; '' = default)")
     ap.add_argument("--no-stages", action="store_true", help="skip the per-stage DoSA timings")
@@ -406,10 +480,14 @@ def main(argv=None):
     if "mma" in secs:
         jobs.append(("mma", lambda: mma_section(res)))
     if "select" in secs:
-        jobs.append(("select", lambda: select_section(res)))
+        jobs.append(("select", lambda: select_section(
+            res, variants=[v for v in a.select_variants.split(",") if v])))
     if "sweep" in secs:
         jobs.append(("sweep", lambda: sweep_section(res, SHAPES[a.sweep_shape], a.data, a.iters,
                                                     a.sweep_tiles.split(","))))
+    if "dosa_sweep" in secs:
+        jobs.append(("dosa_sweep", lambda: dosa_sweep_section(
+            res, SHAPES[a.sweep_shape], a.data, a.iters, a.dosa_sweep.split(","))))
     if "shapes" in secs:
         seen = set()
         for entry in a.shapes.split(","):

@@ -47,6 +47,30 @@ class Tiles(NamedTuple):
     num_warps: int = 4
     num_stages: int = 2
     layout: str = "hk"   # MMA layout of the scoring tile (:func:`pallas_kernels.scoring.score_tile`)
+    # the screening kernel (DoSA only; its bound need not match any score bitwise)
+    screen_layout: str = "hk"
+    screen_bq: int = 0       # queries per screening program (0: the layout's default)
+    screen_warps: int = 4
+
+
+def check_tiles(tiles: Tiles) -> Tiles:
+    """Reject tile configurations the kernels cannot run, naming the field."""
+    if not isinstance(tiles, Tiles):
+        raise TypeError(f"tiles must be a pallas_kernels.dense.Tiles, got {type(tiles).__name__}")
+    for f in ("layout", "screen_layout"):
+        if getattr(tiles, f) not in ("hk", "kh"):
+            raise ValueError(f"tiles.{f} must be 'hk' or 'kh', got {getattr(tiles, f)!r}")
+    for f in ("BQ", "BK", "CH"):
+        v = getattr(tiles, f)
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"tiles.{f} must be a power of two, got {v}")
+    if tiles.BK < 16:
+        raise ValueError(f"tiles.BK must be >= 16 (an MMA dimension), got {tiles.BK}")
+    if tiles.screen_bq < 0 or tiles.screen_bq % 4:
+        raise ValueError(f"tiles.screen_bq must be 0 or a multiple of 4, got {tiles.screen_bq}")
+    if tiles.num_warps not in (1, 2, 4, 8, 16) or tiles.screen_warps not in (1, 2, 4, 8, 16):
+        raise ValueError("tiles.num_warps and tiles.screen_warps must be 1, 2, 4, 8 or 16")
+    return tiles
 
 
 class Candidates(NamedTuple):
@@ -232,6 +256,7 @@ def dense_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), spli
     K = config.top_k
     T = q.shape[0]
     N = k.shape[0]
+    check_tiles(tiles)
     ops = prepare_operands(q, w, k, k_scale, tiles.BQ, mma_dtype, tiles.layout)
     S = splits or default_splits(T, N, tiles.BQ, tiles.BK)
     theta0 = jnp.full((T,), THETA_NONE, jnp.int32)
@@ -254,6 +279,6 @@ def dense_topk_reference(q, k, w, k_scale, lo, hi, config, *, mma_dtype=jnp.bflo
     return select_by_position(s, config.top_k, valid)
 
 
-__all__ = ["Tiles", "Candidates", "Operands", "prepare_operands", "dense_candidates",
+__all__ = ["Tiles", "check_tiles", "Candidates", "Operands", "prepare_operands", "dense_candidates",
            "dense_topk", "dense_topk_reference", "capacity_for", "default_splits",
            "order_key"]

@@ -183,6 +183,9 @@ def dosa_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), split
     T = q.shape[0]
     N = k.shape[0]
     _check_size(N)
+    dense_mod.check_tiles(tiles)
+    if tiles.BQ != 4:
+        raise ValueError(f"DoSA refines groups of 4 queries: tiles.BQ must be 4, got {tiles.BQ}")
     Tw = wave_size(T, N) if wave is None else int(min(max(wave, 4), round_up(T, 4)))
     if Tw % 4:
         raise ValueError(f"wave must be a multiple of 4, got {wave}")
@@ -271,12 +274,13 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     # 3. screen (direct groups see no keys here)
     Dp = ops.k.shape[-1]
     sops = prepare_screen(plan.rows, plan.row_weights, agg_rows, plan.aggregate_linear,
-                          coef, eps, tau, prune, Dp, single_piece=single)
+                          coef, eps, tau, prune, Dp, single_piece=single,
+                          layout=tiles.screen_layout, BQs=tiles.screen_bq or None)
     Cs = survivor_capacity(N, T, S, K, config.capacity)
     slo = jnp.where(direct, 0, lo)
     shi = jnp.where(direct, 0, hi)
     surv = screen(sops, slo, shi, ops.k, knorm, ops.scale, splits=S, capacity=Cs, BK=tiles.BK,
-                  interpret=interpret)
+                  num_warps=tiles.screen_warps, num_stages=tiles.num_stages, interpret=interpret)
     slists, scount = surv.packed[:G4], surv.count[:G4]
     overflow_g = jnp.any(scount > slists.shape[-1], axis=1)
     if stop_after == "screen":

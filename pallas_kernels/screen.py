@@ -57,10 +57,21 @@ class ScreenOperands(NamedTuple):
     prune: Array       # [Tpad] int32
     Rp: int
     BQs: int
+    layout: str = "hk"
 
 
-def screen_queries_per_program(Rp: int, T: int) -> int:
-    """Queries per screening program: fill ≥ 64 MMA rows, a multiple of the group of 4."""
+def screen_queries_per_program(Rp: int, T: int, layout: str = "hk", BQs=None) -> int:
+    """Queries per screening program, a multiple of the group of 4.
+
+    ``"hk"``: enough to fill ≥ 64 MMA rows. ``"kh"`` (one dot per query): ``BQs``
+    (default 4); more queries share each key tile's load.
+    """
+    if BQs:
+        if BQs % GROUP:
+            raise ValueError(f"screen queries per program must be a multiple of {GROUP}, got {BQs}")
+        return int(min(BQs, max(GROUP, next_pow2(T))))
+    if layout == "kh":
+        return GROUP
     bq = max(GROUP, next_pow2(max(1, 64 // Rp)))
     bq = min(bq, max(GROUP, next_pow2(T)))
     while bq * Rp < 16:
@@ -95,7 +106,7 @@ def split_aggregate_bf16(aggregate: Array):
 
 
 def prepare_screen(rows, row_w, aggregate, linear, coef, eps, tau, prune, Dp: int, BQs=None,
-                   single_piece: bool = False):
+                   single_piece: bool = False, layout: str = "hk"):
     """Stack retained rows and aggregate rows per query; pad to Rp rows, Dp columns, BQs queries.
 
     Args:
@@ -107,7 +118,9 @@ def prepare_screen(rows, row_w, aggregate, linear, coef, eps, tau, prune, Dp: in
     T, R, D = rows.shape
     A = aggregate.shape[1]
     Rp = next_pow2(R + A)
-    BQs = BQs or screen_queries_per_program(Rp, T)
+    if layout == "kh":
+        Rp = max(Rp, 16)          # one query's rows are the dot's N dimension (≥ 16)
+    BQs = screen_queries_per_program(Rp, T, layout, BQs)
     Tpad = round_up(T, BQs)
     allr = jnp.concatenate([rows.astype(jnp.float32), aggregate.astype(jnp.float32)], axis=1)
     allr = pad_axis(pad_axis(pad_axis(allr, 1, Rp), 2, Dp), 0, Tpad)
@@ -122,20 +135,41 @@ def prepare_screen(rows, row_w, aggregate, linear, coef, eps, tau, prune, Dp: in
         agg_m=am.reshape(-1), linear=padq(linear.astype(jnp.int32)),
         coef=padq(coef.astype(jnp.float32)), eps=padq(eps.astype(jnp.float32)),
         tau=padq(tau.astype(jnp.float32), jnp.inf), prune=padq(prune.astype(jnp.int32)),
-        Rp=Rp, BQs=BQs)
+        Rp=Rp, BQs=BQs, layout=layout)
 
 
 def bound_tile(r_pieces, row_w, agg_m, k_pieces, knorm, scale, linear, coef, eps, *,
-               BQs: int, Rp: int, pairs):
-    """U for a tile inside a kernel: [BQs, BK] float32."""
-    y = None
-    for a, b in pairs:
-        d = jnp.dot(as_mma_operand(r_pieces[a]), as_mma_operand(k_pieces[b]).T,
-                    preferred_element_type=jnp.float32)
-        y = d if y is None else y + d
-    bk = y.shape[-1]
-    pos = jnp.sum((jnp.maximum(y, 0.0) * row_w[:, None]).reshape(BQs, Rp, bk), axis=1)
-    z = jnp.sum((y * agg_m[:, None]).reshape(BQs, Rp, bk), axis=1)
+               BQs: int, Rp: int, pairs, layout: str = "hk"):
+    """U for a tile inside a kernel: [BQs, BK] float32.
+
+    ``"hk"``: one dot [BQs*Rp, D] × [D, BK], sums across the accumulator's rows.
+    ``"kh"``: per query one dot [BK, D] × [D, Rp] (``r_pieces[a]``, ``row_w``, ``agg_m``
+    are lists over the BQs queries), sums along the columns a thread holds.
+    """
+    if layout == "kh":
+        bk = k_pieces[0].shape[0]
+        qi = lax.broadcasted_iota(jnp.int32, (BQs, bk), 0)
+        pos = jnp.zeros((BQs, bk), jnp.float32)
+        z = jnp.zeros((BQs, bk), jnp.float32)
+        for i in range(BQs):
+            y = None
+            for a, b in pairs:
+                d = lax.dot_general(as_mma_operand(k_pieces[b]), as_mma_operand(r_pieces[a][i]),
+                                    (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                y = d if y is None else y + d                       # [BK, Rp]
+            pi = jnp.sum(jnp.maximum(y, 0.0) * row_w[i][None, :], axis=1)
+            zi = jnp.sum(y * agg_m[i][None, :], axis=1)
+            pos = jnp.where(qi == i, jnp.broadcast_to(pi[None, :], (BQs, bk)), pos)
+            z = jnp.where(qi == i, jnp.broadcast_to(zi[None, :], (BQs, bk)), z)
+    else:
+        y = None
+        for a, b in pairs:
+            d = jnp.dot(as_mma_operand(r_pieces[a]), as_mma_operand(k_pieces[b]).T,
+                        preferred_element_type=jnp.float32)
+            y = d if y is None else y + d
+        bk = y.shape[-1]
+        pos = jnp.sum((jnp.maximum(y, 0.0) * row_w[:, None]).reshape(BQs, Rp, bk), axis=1)
+        z = jnp.sum((y * agg_m[:, None]).reshape(BQs, Rp, bk), axis=1)
     neg = jnp.where(linear[:, None] != 0, z, jnp.maximum(z, 0.0))
     v = (pos - neg) + (knorm[None, :] * coef[:, None] + eps[:, None])
     v = v * scale[None, :]
@@ -143,7 +177,7 @@ def bound_tile(r_pieces, row_w, agg_m, k_pieces, knorm, scale, linear, coef, eps
 
 
 def _screen_kernel(*refs, Pr: int, Pk: int, BQs: int, Rp: int, BK: int, N: int, S: int, Cs: int,
-                   pairs):
+                   pairs, layout: str):
     r_refs = refs[:Pr]
     (rw_ref, am_ref, lin_ref, coef_ref, eps_ref, tau_ref, pr_ref, lo_ref, hi_ref) = refs[Pr:Pr + 9]
     k_refs = refs[Pr + 9:Pr + 9 + Pk]
@@ -153,9 +187,15 @@ def _screen_kernel(*refs, Pr: int, Pk: int, BQs: int, Rp: int, BK: int, N: int, 
     g = pl.program_id(0)
     s = pl.program_id(1)
     size = sv_ref.shape[0]
-    rp = [r_ref[pl.ds(g * BQs * Rp, BQs * Rp), :] for r_ref in r_refs]
-    rw = rw_ref[pl.ds(g * BQs * Rp, BQs * Rp)]
-    am = am_ref[pl.ds(g * BQs * Rp, BQs * Rp)]
+    if layout == "kh":
+        qrows = [pl.ds((g * BQs + i) * Rp, Rp) for i in range(BQs)]
+        rp = [[r_ref[r, :] for r in qrows] for r_ref in r_refs]
+        rw = [rw_ref[r] for r in qrows]
+        am = [am_ref[r] for r in qrows]
+    else:
+        rp = [r_ref[pl.ds(g * BQs * Rp, BQs * Rp), :] for r_ref in r_refs]
+        rw = rw_ref[pl.ds(g * BQs * Rp, BQs * Rp)]
+        am = am_ref[pl.ds(g * BQs * Rp, BQs * Rp)]
     qsl = pl.ds(g * BQs, BQs)
     lin, coef, eps, tau = lin_ref[qsl], coef_ref[qsl], eps_ref[qsl], tau_ref[qsl]
     prune = pr_ref[qsl] != 0
@@ -177,7 +217,8 @@ def _screen_kernel(*refs, Pr: int, Pk: int, BQs: int, Rp: int, BK: int, N: int, 
               for k_ref in k_refs]
         kn = rec._plgpu().load(kn_ref.at[pl.ds(j * BK, BK)], mask=inb, other=0.0)
         sc = rec._plgpu().load(sc_ref.at[pl.ds(j * BK, BK)], mask=inb, other=1.0)
-        U = bound_tile(rp, rw, am, kp, kn, sc, lin, coef, eps, BQs=BQs, Rp=Rp, pairs=pairs)
+        U = bound_tile(rp, rw, am, kp, kn, sc, lin, coef, eps, BQs=BQs, Rp=Rp, pairs=pairs,
+                       layout=layout)
         vis = (ids[None, :] >= lo[:, None]) & (ids[None, :] < hi[:, None])
         surv = vis & (~(U < tau[:, None]) | ~prune[:, None])
         si = surv.astype(jnp.int32)
@@ -209,27 +250,27 @@ class Survivors(NamedTuple):
 
 
 @functools.partial(jax.jit, static_argnames=("BQs", "Rp", "BK", "S", "Cs", "pairs", "num_warps",
-                                             "interpret", "T"))
+                                             "num_stages", "interpret", "T", "layout"))
 def _screen_call(rows, row_w, agg_m, linear, coef, eps, tau, prune, lo, hi, k, knorm, scale, *,
-                 BQs, Rp, BK, S, Cs, pairs, num_warps, interpret, T):
+                 BQs, Rp, BK, S, Cs, pairs, num_warps, num_stages, interpret, T, layout):
     Tpad = lo.shape[0]
     G4 = Tpad // GROUP
     N = k.shape[1]
     kern = functools.partial(_screen_kernel, Pr=rows.shape[0], Pk=k.shape[0], BQs=BQs, Rp=Rp,
-                             BK=BK, N=N, S=S, Cs=Cs, pairs=pairs)
+                             BK=BK, N=N, S=S, Cs=Cs, pairs=pairs, layout=layout)
     i32 = jnp.int32
     sv, cnt, qs = pl.pallas_call(
         kern, grid=(Tpad // BQs, S),
         out_shape=(jax.ShapeDtypeStruct((G4 * S * Cs,), i32),
                    jax.ShapeDtypeStruct((G4 * S,), i32), jax.ShapeDtypeStruct((Tpad * S,), i32)),
-        compiler_params=compiler_params(num_warps, 2), interpret=interpret,
+        compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
         name="dosa_screen")(*rows, row_w, agg_m, linear, coef, eps, tau, prune, lo, hi, *k,
                             knorm, scale)
     return Survivors(sv.reshape(G4, S, Cs), cnt.reshape(G4, S), qs.reshape(Tpad, S)[:T])
 
 
 def screen(sops: ScreenOperands, lo, hi, k_pieces, knorm, scale, *, splits: int, capacity: int,
-           BK: int = 64, num_warps: int = 4, interpret=None) -> Survivors:
+           BK: int = 64, num_warps: int = 4, num_stages: int = 2, interpret=None) -> Survivors:
     """Run the screening kernel.
 
     Args:
@@ -247,7 +288,8 @@ def screen(sops: ScreenOperands, lo, hi, k_pieces, knorm, scale, *, splits: int,
     return _screen_call(sops.rows, sops.row_w, sops.agg_m, sops.linear, sops.coef, sops.eps,
                         sops.tau, sops.prune, lo, hi, k_pieces, knorm, scale, BQs=sops.BQs,
                         Rp=sops.Rp, BK=BK, S=splits, Cs=round_up(capacity, 16), pairs=pairs,
-                        num_warps=num_warps, interpret=interpret, T=T)
+                        num_warps=num_warps, num_stages=num_stages, interpret=interpret, T=T,
+                        layout=sops.layout)
 
 
 def screening_bound_reference(rows, row_w, aggregate, linear, coef, eps, k_pieces, knorm,

@@ -23,7 +23,8 @@ from pallas_kernels.common import THETA_NONE, mma_pieces, on_gpu
 
 ON_GPU = on_gpu()
 TILES = dense.Tiles(BQ=4, BK=16, CH=32)
-TILES_KH = TILES._replace(layout="kh")   # keys as MMA rows (score_tile's second layout)
+# keys as MMA rows (score_tile's and the screen's second layout), 8 queries per screen program
+TILES_KH = TILES._replace(layout="kh", screen_layout="kh", screen_bq=8)
 
 
 def _assert_topk_close(idx, sc, ridx, rsc, tol=1e-5):
@@ -98,8 +99,10 @@ def test_exact_topk_matches_reference_with_ties_nan_and_bad_guess():
     assert int(st["fallback_rows"][4]) == 1
 
 
-@pytest.mark.parametrize("single_piece", [False, True], ids=["two_pieces", "one_piece"])
-def test_screen_matches_twin(single_piece):
+@pytest.mark.parametrize("single_piece,layout,bq", [(False, "hk", None), (True, "hk", None),
+                                                    (True, "kh", None), (False, "kh", 8)],
+                         ids=["two_pieces", "one_piece", "one_piece_kh", "two_pieces_kh_bq8"])
+def test_screen_matches_twin(single_piece, layout, bq):
     inp = synthetic.structured(T=8, N=500, H=4, D=32, seed=2, key_dtype="float8_e4m3fn",
                                query_dtype="bfloat16")
     T = 8
@@ -123,7 +126,9 @@ def test_screen_matches_twin(single_piece):
     from dosa_jax.enclosure import key_norm_upper
     knorm = key_norm_upper(inp.k)
     sops = screen.prepare_screen(rows, row_w, agg, linear, coef, eps, tau, prune, ops.k.shape[-1],
-                                 single_piece=single_piece)
+                                 single_piece=single_piece, layout=layout, BQs=bq)
+    assert sops.BQs % 4 == 0 and (bq is None or sops.BQs == bq)
+    assert layout == "hk" or sops.Rp >= 16
     assert sops.rows.shape[0] == (1 if single_piece else 2)
     surv = screen.screen(sops, inp.lo, inp.hi, ops.k, knorm, ops.scale, splits=2, capacity=512,
                          BK=16)
@@ -143,7 +148,8 @@ def test_screen_matches_twin(single_piece):
     assert np.all((got == m) | near)
     assert np.array_equal(np.asarray(surv.per_query).sum(1), got.sum(1))
     assert got[7].sum() == int(inp.hi[7] - inp.lo[7])          # prune off: everything survives
-    ids = [packed[g, s, :cnt[g, s]] & ((1 << 27) - 1) for g in range(2) for s in range(2)]
+    ids = [packed[g, s, :cnt[g, s]] & ((1 << 27) - 1) for g in range(packed.shape[0])
+           for s in range(2)]
     assert all(np.all(np.diff(x) > 0) for x in ids)            # ascending, distinct
 
 
@@ -258,12 +264,12 @@ def test_operand_pieces_represent_float32():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
-@pytest.mark.parametrize("layout", ["hk", "kh"])
-def test_gpu_dense_and_dosa_bitwise_and_vs_twin(layout):
+@pytest.mark.parametrize("tiles", [dense.Tiles(), dense.Tiles(
+    BK=128, num_stages=3, layout="kh", screen_layout="kh", screen_bq=8)], ids=["hk", "kh"])
+def test_gpu_dense_and_dosa_bitwise_and_vs_twin(tiles):
     inp = synthetic.structured(T=256, N=32768, H=32, D=128, seed=5, key_dtype="float8_e4m3fn",
                                query_dtype="bfloat16")
     cfg = Config(top_k=2048)
-    tiles = dense.Tiles(layout=layout)
     args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)
     idx, sc, st = jax.jit(lambda *a: pipeline.dosa_topk(*a, cfg, tiles=tiles))(*args)
     didx, dsc = jax.jit(lambda *a: pipeline.dense_topk(*a, cfg, tiles=tiles))(*args)
@@ -291,3 +297,19 @@ def test_gpu_exact_topk_equals_reference():
 def test_theta_none_is_below_every_eligible_key():
     from dosa_jax.selection import order_key
     assert int(order_key(jnp.float32(-jnp.inf))) >= THETA_NONE
+
+
+def test_bad_tiles_are_rejected_naming_the_field():
+    inp = synthetic.gaussian(T=4, N=256, H=4, D=16, seed=0)
+    args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi, Config(top_k=8))
+    for bad, field in ((TILES._replace(layout="xy"), "tiles.layout"),
+                       (TILES._replace(BK=8), "tiles.BK"),
+                       (TILES._replace(BK=48), "tiles.BK"),
+                       (TILES._replace(screen_bq=6), "tiles.screen_bq"),
+                       (TILES._replace(screen_layout="rows"), "tiles.screen_layout")):
+        with pytest.raises(ValueError, match=field):
+            pipeline.dosa_topk(*args, tiles=bad)
+    with pytest.raises(ValueError, match="tiles.BQ"):
+        pipeline.dosa_topk(*args, tiles=TILES._replace(BQ=8))
+    with pytest.raises(ValueError, match="tiles.layout"):
+        pipeline.dense_topk(*args, tiles=TILES._replace(layout="xy"))
