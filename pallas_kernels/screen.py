@@ -138,46 +138,42 @@ def prepare_screen(rows, row_w, aggregate, linear, coef, eps, tau, prune, Dp: in
         Rp=Rp, BQs=BQs, layout=layout)
 
 
-def _bound_epilogue(pos, z, linear, knorm, coef, eps, scale):
-    """U = up[α (Σ w̃ relu(y) − relu(z) (or − z) + n·coef + ε)] on broadcastable shapes (Eq. 26)."""
-    neg = jnp.where(linear != 0, z, jnp.maximum(z, 0.0))
-    v = (pos - neg) + (knorm * coef + eps)
-    v = v * scale
-    return v + jnp.abs(v) * UP_NUDGE + UP_FLOOR
-
-
 def bound_tile(r_pieces, row_w, agg_m, k_pieces, knorm, scale, linear, coef, eps, *,
-               BQs: int, Rp: int, pairs):
-    """U for a tile inside a kernel (``"hk"`` layout): [BQs, BK] float32.
+               BQs: int, Rp: int, pairs, layout: str = "hk"):
+    """U for a tile inside a kernel: [BQs, BK] float32.
 
-    One dot [BQs*Rp, D] × [D, BK]; the row sums reduce across the accumulator's rows.
+    ``"hk"``: one dot [BQs*Rp, D] × [D, BK], sums across the accumulator's rows.
+    ``"kh"``: per query one dot [BK, D] × [D, Rp] (``r_pieces[a]``, ``row_w``, ``agg_m``
+    are lists over the BQs queries), sums along the columns a thread holds.
     """
-    y = None
-    for a, b in pairs:
-        d = jnp.dot(as_mma_operand(r_pieces[a]), as_mma_operand(k_pieces[b]).T,
-                    preferred_element_type=jnp.float32)
-        y = d if y is None else y + d
-    bk = y.shape[-1]
-    pos = jnp.sum((jnp.maximum(y, 0.0) * row_w[:, None]).reshape(BQs, Rp, bk), axis=1)
-    z = jnp.sum((y * agg_m[:, None]).reshape(BQs, Rp, bk), axis=1)
-    return _bound_epilogue(pos, z, linear[:, None], knorm[None, :], coef[:, None],
-                           eps[:, None], scale[None, :])
-
-
-def bound_query(r_pieces, row_w, agg_m, k_pieces, knorm, scale, linear, coef, eps, *, pairs):
-    """U of one query for a key tile inside a kernel (``"kh"`` layout): [BK] float32.
-
-    One dot [BK, D] × [D, Rp] (keys as MMA rows); the row sums reduce along the
-    accumulator's columns, which a thread holds. ``linear``/``coef``/``eps`` are scalars.
-    """
-    y = None
-    for a, b in pairs:
-        d = lax.dot_general(as_mma_operand(k_pieces[b]), as_mma_operand(r_pieces[a]),
-                            (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        y = d if y is None else y + d                               # [BK, Rp]
-    pos = jnp.sum(jnp.maximum(y, 0.0) * row_w[None, :], axis=1)
-    z = jnp.sum(y * agg_m[None, :], axis=1)
-    return _bound_epilogue(pos, z, linear, knorm, coef, eps, scale)
+    if layout == "kh":
+        bk = k_pieces[0].shape[0]
+        qi = lax.broadcasted_iota(jnp.int32, (BQs, bk), 0)
+        pos = jnp.zeros((BQs, bk), jnp.float32)
+        z = jnp.zeros((BQs, bk), jnp.float32)
+        for i in range(BQs):
+            y = None
+            for a, b in pairs:
+                d = lax.dot_general(as_mma_operand(k_pieces[b]), as_mma_operand(r_pieces[a][i]),
+                                    (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                y = d if y is None else y + d                       # [BK, Rp]
+            pi = jnp.sum(jnp.maximum(y, 0.0) * row_w[i][None, :], axis=1)
+            zi = jnp.sum(y * agg_m[i][None, :], axis=1)
+            pos = jnp.where(qi == i, jnp.broadcast_to(pi[None, :], (BQs, bk)), pos)
+            z = jnp.where(qi == i, jnp.broadcast_to(zi[None, :], (BQs, bk)), z)
+    else:
+        y = None
+        for a, b in pairs:
+            d = jnp.dot(as_mma_operand(r_pieces[a]), as_mma_operand(k_pieces[b]).T,
+                        preferred_element_type=jnp.float32)
+            y = d if y is None else y + d
+        bk = y.shape[-1]
+        pos = jnp.sum((jnp.maximum(y, 0.0) * row_w[:, None]).reshape(BQs, Rp, bk), axis=1)
+        z = jnp.sum((y * agg_m[:, None]).reshape(BQs, Rp, bk), axis=1)
+    neg = jnp.where(linear[:, None] != 0, z, jnp.maximum(z, 0.0))
+    v = (pos - neg) + (knorm[None, :] * coef[:, None] + eps[:, None])
+    v = v * scale[None, :]
+    return v + jnp.abs(v) * UP_NUDGE + UP_FLOOR
 
 
 def _screen_kernel(*refs, Pr: int, Pk: int, BQs: int, Rp: int, BK: int, N: int, S: int, Cs: int,
@@ -212,40 +208,6 @@ def _screen_kernel(*refs, Pr: int, Pk: int, BQs: int, Rp: int, BK: int, N: int, 
     groups = g * G + jnp.arange(G, dtype=jnp.int32)
     base = (groups * S + s) * Cs
     qbit = (jnp.int32(1) << (jnp.arange(BQs, dtype=jnp.int32) % GROUP))
-    if layout == "kh":   # per-query scalars (the bound is evaluated query by query)
-        qi = [g * BQs + i for i in range(BQs)]
-        q_lin = [lin_ref[t] for t in qi]
-        q_coef = [coef_ref[t] for t in qi]
-        q_eps = [eps_ref[t] for t in qi]
-        q_tau = [tau_ref[t] for t in qi]
-        q_off = [pr_ref[t] == 0 for t in qi]
-        q_lo = [lo_ref[t] for t in qi]
-        q_hi = [hi_ref[t] for t in qi]
-        qlane = jnp.arange(BQs, dtype=jnp.int32)
-        glane = lax.broadcasted_iota(jnp.int32, (G, BK), 0)
-
-    def survival_kh(ids, kp, kn, sc, qs):
-        """bits [G, BK] (which of each group's 4 queries keep the key) and the new qs."""
-        gbits = [jnp.zeros((BK,), jnp.int32) for _ in range(G)]
-        for i in range(BQs):
-            U = bound_query([p[i] for p in rp], rw[i], am[i], kp, kn, sc, q_lin[i], q_coef[i],
-                            q_eps[i], pairs=pairs)
-            vis = (ids >= q_lo[i]) & (ids < q_hi[i])
-            si = (vis & (~(U < q_tau[i]) | q_off[i])).astype(jnp.int32)
-            gbits[i // GROUP] = gbits[i // GROUP] + (si << (i % GROUP))
-            qs = qs + jnp.where(qlane == i, jnp.sum(si), 0)
-        bits = jnp.zeros((G, BK), jnp.int32)
-        for gi in range(G):
-            bits = jnp.where(glane == gi, jnp.broadcast_to(gbits[gi][None, :], (G, BK)), bits)
-        return bits, qs
-
-    def survival_hk(ids, kp, kn, sc, qs):
-        U = bound_tile(rp, rw, am, kp, kn, sc, lin, coef, eps, BQs=BQs, Rp=Rp, pairs=pairs)
-        vis = (ids[None, :] >= lo[:, None]) & (ids[None, :] < hi[:, None])
-        surv = vis & (~(U < tau[:, None]) | ~prune[:, None])
-        si = surv.astype(jnp.int32)
-        bits = jnp.sum((si * qbit[:, None]).reshape(G, GROUP, BK), axis=1)
-        return bits, qs + jnp.sum(si, axis=1)
 
     def body(j, carry):
         cnt, qs = carry
@@ -255,7 +217,12 @@ def _screen_kernel(*refs, Pr: int, Pk: int, BQs: int, Rp: int, BK: int, N: int, 
               for k_ref in k_refs]
         kn = rec._plgpu().load(kn_ref.at[pl.ds(j * BK, BK)], mask=inb, other=0.0)
         sc = rec._plgpu().load(sc_ref.at[pl.ds(j * BK, BK)], mask=inb, other=1.0)
-        bits, qs = (survival_kh if layout == "kh" else survival_hk)(ids, kp, kn, sc, qs)
+        U = bound_tile(rp, rw, am, kp, kn, sc, lin, coef, eps, BQs=BQs, Rp=Rp, pairs=pairs,
+                       layout=layout)
+        vis = (ids[None, :] >= lo[:, None]) & (ids[None, :] < hi[:, None])
+        surv = vis & (~(U < tau[:, None]) | ~prune[:, None])
+        si = surv.astype(jnp.int32)
+        bits = jnp.sum((si * qbit[:, None]).reshape(G, GROUP, BK), axis=1)
         anyq = bits > 0
         ai = anyq.astype(jnp.int32)
         n = jnp.sum(ai, axis=1)
@@ -266,7 +233,7 @@ def _screen_kernel(*refs, Pr: int, Pk: int, BQs: int, Rp: int, BK: int, N: int, 
             rec.store_slots(sv_ref, base, pos, ids[None, :] | (bits << ID_BITS), ok, size)
 
         lax.cond(jnp.max(n) > 0, write, lambda: None)
-        return cnt + n, qs
+        return cnt + n, qs + jnp.sum(si, axis=1)
 
     cnt, qs = lax.fori_loop(start, stop, body,
                             (jnp.zeros((G,), jnp.int32), jnp.zeros((BQs,), jnp.int32)))
