@@ -51,7 +51,8 @@ def _config_with_top_k(config: Optional[Config], top_k) -> Config:
 def resolve_backend(config: Config) -> str:
     """``"reference"`` or ``"pallas"`` for this config on this machine."""
     if config.backend == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "reference"
+        # jax 0.10 names the CUDA backend "gpu", later versions may say "cuda"
+        return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm") else "reference"
     return config.backend
 
 

@@ -35,20 +35,26 @@ Array = jax.Array
 
 
 class Tiles(NamedTuple):
-    """Static tile configuration of the scoring kernels (dense, refine, seeds).
+    """Static tile configuration of the scoring kernels (dense, refine, seeds) and the screen.
 
-    Dense and refinement must use the *same* ``BQ``, ``BK`` and ``num_warps``
-    so that their scores agree bitwise.
+    Dense and refinement must use the *same* ``BQ``, ``BK``, ``num_warps`` and
+    ``layout`` so that their scores agree bitwise (one ``Tiles`` serves a whole call).
+
+    Defaults are the fastest configuration measured on the H200 (session 3,
+    BENCHMARKS.md): keys as MMA rows, 128-key tiles, 3 pipeline stages; in the
+    dense sweep at T=16K, N=128K this took 215 ms against 238 ms for the former
+    ``hk``/64/2-stage default, and with the ``kh`` screen DoSA at N=1M took
+    1272 ms against 1570 ms with the ``hk`` screen.
     """
 
     BQ: int = 4          # queries per program (refinement group size, paper Sec. 3)
-    BK: int = 64         # keys per tile
+    BK: int = 128        # keys per tile
     CH: int = 512        # record slots per pass of the threshold search
     num_warps: int = 4
-    num_stages: int = 2
-    layout: str = "hk"   # MMA layout of the scoring tile (:func:`pallas_kernels.scoring.score_tile`)
+    num_stages: int = 3
+    layout: str = "kh"   # MMA layout of the scoring tile (:func:`pallas_kernels.scoring.score_tile`)
     # the screening kernel (DoSA only; its bound need not match any score bitwise)
-    screen_layout: str = "hk"
+    screen_layout: str = "kh"
     screen_bq: int = 0       # queries per screening program (0: the layout's default)
     screen_warps: int = 4
 

@@ -108,7 +108,7 @@ def sample_threshold(keys_sample: Array, k: int, M: int) -> Array:
     return jnp.where(kth == INT32_MIN, THETA_NONE, kth)
 
 
-def exact_topk(scores: Array, k: int, *, valid=None, splits=None, block: int = 1024,
+def exact_topk(scores: Array, k: int, *, valid=None, splits=None, block: int = 512,
                sample: int = 16384, min_columns: int = 65536, interpret=None,
                return_stats: bool = False):
     """Exact Top-k of each row of ``scores`` [T, M] (position = key index).

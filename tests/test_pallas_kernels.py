@@ -264,8 +264,10 @@ def test_operand_pieces_represent_float32():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
-@pytest.mark.parametrize("tiles", [dense.Tiles(), dense.Tiles(
-    BK=128, num_stages=3, layout="kh", screen_layout="kh", screen_bq=8)], ids=["hk", "kh"])
+@pytest.mark.parametrize("tiles", [
+    dense.Tiles(BK=64, num_stages=2, layout="hk", screen_layout="hk"), dense.Tiles(),
+    dense.Tiles(BK=128, num_stages=3, layout="kh", screen_layout="kh", screen_bq=8)],
+    ids=["hk", "default", "kh_bq8"])
 def test_gpu_dense_and_dosa_bitwise_and_vs_twin(tiles):
     inp = synthetic.structured(T=256, N=32768, H=32, D=128, seed=5, key_dtype="float8_e4m3fn",
                                query_dtype="bfloat16")
