@@ -7,7 +7,8 @@
 set -o pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
 python -c "import jax; print(jax.__version__, jax.devices())" 2>&1 | tee $OUT/verify.txt
-timeout ${TEST_TIMEOUT:-240} python -m pytest -q -x tests/test_api.py tests/test_exactness.py \
+# -o addopts="": pyproject's -q plus this -q would hide pytest's summary line
+timeout ${TEST_TIMEOUT:-420} python -m pytest -o addopts="" -q -x tests/test_api.py tests/test_exactness.py \
   tests/test_fp8_guards.py tests/test_adversarial.py 2>&1 | tail -15 | tee -a $OUT/verify.txt
 timeout ${ENCLOSURE_TIMEOUT:-300} python -m proofs_numeric.enclosure --pairs ${ENCLOSURE_PAIRS:-100000000} \
   2>&1 | tail -30 | tee $OUT/enclosure.txt

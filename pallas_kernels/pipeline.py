@@ -13,7 +13,14 @@ in a 4-query tile, the same routine and shape as :func:`dense_topk`, so
 ``dosa_topk`` and ``dense_topk`` agree bitwise. A survivor list that
 overflows its capacity is detected (its count keeps growing) and its 4
 queries are answered by a full dense scan (counted as an overflow and a
-recovery): no candidate is ever lost.
+recovery): no candidate is ever lost. A group with a query that cannot prune
+(no τ, a failed guard) or whose sample predicts survival above
+:data:`DIRECT_SURVIVAL` skips the screen and goes to that dense scan at once
+(counted as a recovery).
+
+The planner's sample (activation frequencies, budget) is a strided sample of
+each query's visible range scored in float32 and scaled by α_i, as in the
+reference pipeline; the seeds are a biased sample (mostly the local window).
 """
 
 from __future__ import annotations

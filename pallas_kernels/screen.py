@@ -1,16 +1,21 @@
 """Certificate screening (Eq. 9, 26) as a Pallas Triton kernel, and its jnp twin.
 
 One shape serves all scoring stages (SPEC §13): per program, ``BQs`` queries'
-plan rows are stacked into one matrix (``Rp`` rows per query: the retained
-heads with folded weights w̃_j, then the negative-aggregate rows, zero rows to
-a power of two), multiplied against a key tile on the tensor cores, and the
-bound is evaluated per (query, key):
+plan rows (``Rp`` rows per query: the retained heads with folded weights w̃_j,
+then the negative-aggregate rows, zero rows to a power of two) are multiplied
+against a key tile on the tensor cores — stacked into one [BQs·Rp, D] matrix
+(layout ``"hk"``) or one [BK, D]×[D, Rp] dot per query (``"kh"``, keys as MMA
+rows; the default, measured faster on the H200) — and the bound is evaluated
+per (query, key):
 
     Û = Σ_r w̃_r relu(y_r) − relu(Σ_a z_a)          (− Σ_a z_a in the absolute form)
     U = α_i (Û + n_i·coef + ε_raw),  then nudged up by |U|·2^-21
 
 with ``n_i ≥ ‖k̄_i‖`` and ``coef = E + C + C_kernel`` (the plan's residual and
-error plus this backend's arithmetic, :mod:`pallas_kernels.numerics`). A key
+error plus this backend's arithmetic, :mod:`pallas_kernels.numerics`). With
+bf16 or FP8 queries the rows are one bf16 MMA piece (the retained rows are
+exact; the aggregate is split into hi + lo rows, :func:`split_aggregate_bf16`,
+its remainder in ``coef``); float32 queries keep two pieces per row. A key
 is rejected only on ``U < τ`` (strict; NaN never rejects); ``prune = 0``
 disables rejection for a query. Survivors of the ``BQs/4`` refinement groups
 of the program (4 queries, paper Sec. 3) are appended to per-group lists as

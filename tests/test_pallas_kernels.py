@@ -22,6 +22,8 @@ from pallas_kernels import select as pselect
 from pallas_kernels.common import THETA_NONE, mma_pieces, on_gpu
 
 ON_GPU = on_gpu()
+# one pytest-xdist worker runs this file: its tests share interpret-mode compilations
+pytestmark = pytest.mark.xdist_group("pallas_kernels")
 TILES = dense.Tiles(BQ=4, BK=16, CH=32)
 # keys as MMA rows (score_tile's and the screen's second layout), 8 queries per screen program
 TILES_KH = TILES._replace(layout="kh", screen_layout="kh", screen_bq=8)
