@@ -173,8 +173,33 @@ def _assert_screening_bound_holds_on_every_key(inp, det):
     assert np.all(U >= s), f"{int(np.sum(U < s))} keys with U < s"
 
 
+def _check_unprunable_groups_go_straight_to_dense(inp, cfg):
+    """A query that cannot prune (fewer than K visible keys: no τ) sends its group of 4 to the
+    dense scan without screening; the answer is bitwise the dense one, counted as a recovery.
+    Then every query sent straight to dense (survival estimate above any threshold): same answer.
+    Called from the bitwise test on its inputs: the calls share its interpret-mode compilations."""
+    lo = inp.lo.at[5].set(inp.hi[5] - 20)               # 20 visible keys < K = 32
+    args = (inp.q, inp.k, inp.w, inp.k_scale, lo, inp.hi)
+    didx, dsc = pipeline.dense_topk(*args, cfg, tiles=TILES, splits=2)
+    idx, sc, st, det = pipeline.dosa_topk(*args, cfg, tiles=TILES, splits=2, return_details=True)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(didx))
+    np.testing.assert_array_equal(np.asarray(sc), np.asarray(dsc))
+    assert list(np.asarray(det["direct"])) == [False] * 4 + [True] * 4
+    assert list(np.asarray(st.recoveries)) == [0] * 4 + [1] * 4
+    assert int(jnp.sum(st.overflows)) == 0
+    assert not bool(st.pruning[5])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pipeline, "DIRECT_SURVIVAL", -1.0)
+        idx2, sc2, st2 = pipeline.dosa_topk(*args, cfg, tiles=TILES, splits=2)
+    np.testing.assert_array_equal(np.asarray(idx2), np.asarray(didx))
+    np.testing.assert_array_equal(np.asarray(sc2), np.asarray(dsc))
+    assert int(jnp.sum(st2.recoveries)) == 8
+
+
 @pytest.mark.parametrize("tiles", [TILES, TILES_KH], ids=["hk", "kh"])
 def test_dosa_pallas_equals_dense_pallas_bitwise(tiles):
+    """DoSA == dense bitwise (both scoring layouts), vs the twin, the screening bound on every
+    key, τ from the seed kernel; with the hk tiles also groups sent straight to dense."""
     inp = synthetic.structured(T=8, N=1500, H=8, D=32, seed=3, key_dtype="float8_e4m3fn",
                                query_dtype="bfloat16")
     cfg = Config(top_k=32, retained_heads=6, seed_size=256, capacity=1024)
@@ -190,6 +215,8 @@ def test_dosa_pallas_equals_dense_pallas_bitwise(tiles):
     assert int(jnp.sum(st.pruning)) > 0
     assert float(jnp.mean(st.survivors / st.visible)) < 1.0   # something was pruned
     _assert_screening_bound_holds_on_every_key(inp, det)      # one-piece screen rows (bf16 q)
+    if tiles == TILES:
+        _check_unprunable_groups_go_straight_to_dense(inp, cfg)
     # τ from the seed kernel (in-kernel K-th largest search) = the twin's K-th seed score
     from pallas_kernels.refine import group_seed_lists
     from pallas_kernels.scoring import score_reference
@@ -312,27 +339,3 @@ def test_bad_tiles_are_rejected_naming_the_field():
         pipeline.dosa_topk(*args, tiles=TILES._replace(BQ=8))
     with pytest.raises(ValueError, match="tiles.layout"):
         pipeline.dense_topk(*args, tiles=TILES._replace(layout="xy"))
-
-
-def test_unprunable_groups_go_straight_to_dense(monkeypatch):
-    """A query that cannot prune (fewer than K visible keys: no τ) sends its group of 4 to the
-    dense scan without screening; the answer is bitwise the dense one, counted as a recovery."""
-    inp = synthetic.structured(T=8, N=1500, H=8, D=32, seed=3, key_dtype="float8_e4m3fn",
-                               query_dtype="bfloat16")
-    lo = inp.lo.at[5].set(inp.hi[5] - 20)               # 20 visible keys < K = 32
-    args = (inp.q, inp.k, inp.w, inp.k_scale, lo, inp.hi)
-    cfg = Config(top_k=32, retained_heads=6, seed_size=256, capacity=1024)
-    didx, dsc = pipeline.dense_topk(*args, cfg, tiles=TILES, splits=2)
-    idx, sc, st, det = pipeline.dosa_topk(*args, cfg, tiles=TILES, splits=2, return_details=True)
-    np.testing.assert_array_equal(np.asarray(idx), np.asarray(didx))
-    np.testing.assert_array_equal(np.asarray(sc), np.asarray(dsc))
-    assert list(np.asarray(det["direct"])) == [False] * 4 + [True] * 4
-    assert list(np.asarray(st.recoveries)) == [0] * 4 + [1] * 4
-    assert int(jnp.sum(st.overflows)) == 0
-    assert not bool(st.pruning[5])
-    # every query sent straight to dense (survival estimate above any threshold): same answer
-    monkeypatch.setattr(pipeline, "DIRECT_SURVIVAL", -1.0)
-    idx2, sc2, st2 = pipeline.dosa_topk(*args, cfg, tiles=TILES, splits=2)
-    np.testing.assert_array_equal(np.asarray(idx2), np.asarray(didx))
-    np.testing.assert_array_equal(np.asarray(sc2), np.asarray(dsc))
-    assert int(jnp.sum(st2.recoveries)) == 8
