@@ -171,24 +171,24 @@ def report(paths):
                    f"{rw['unc']:.2f} | {sh['canc']:.2f} / {rw['canc']:.2f} | {sh['unc'] + sh['canc']:.2f} / "
                    f"{rw['unc+canc']:.2f} | {sh['num']:.3f} / {rw['num']:.2f} |")
     budgets = [k for k in rows[0]["configs"] if "strided p" in k]
-    out += ["", "Survival % (cost D_DoSA/D_base) for a budget r forced on every query, same seeds, τ and "
-            "p_h as the automatic budget (strided sample); last column: the floor s ≥ τ:", "",
-            "| domain | layer | auto | " + " | ".join(b.split(" ")[0] for b in budgets) + " | floor s ≥ τ |",
-            "| --- | --- | --- |" + " --- |" * len(budgets) + " --- |"]
-    for r in rows:
-        cs = r["configs"]
-        cell = lambda c: f"{pct(c['survival'])} ({c['cost_ratio']:.2f})"
-        out.append(f"| {r['domain']} | {r['layer']} | {cell(cs['r=auto'])} | "
-                   + " | ".join(cell(cs[b]) for b in budgets) + f" | {pct(cs['r=auto']['exact_floor'])} |")
-    out += ["", "The same budgets with a perfect threshold: survival % if τ were τ* (U^num ≥ τ*); last "
-            "column: the Top-K itself (s ≥ τ*):", "",
-            "| domain | layer | auto | " + " | ".join(b.split(" ")[0] for b in budgets) + " | s ≥ τ* |",
-            "| --- | --- | --- |" + " --- |" * len(budgets) + " --- |"]
-    for r in rows:
-        cs = r["configs"]
-        out.append(f"| {r['domain']} | {r['layer']} | {pct(cs['r=auto']['survival_at_tau_star'])} | "
-                   + " | ".join(pct(cs[b]["survival_at_tau_star"]) for b in budgets)
-                   + f" | {pct(cs['r=auto']['survival_top'])} |")
+
+    def budget_table(intro, last_head, cell, last_cell):
+        """One row per (domain, layer): the automatic budget, each forced budget, a last column."""
+        t = ["", intro, "", "| domain | layer | auto | " + " | ".join(b.split(" ")[0] for b in budgets)
+             + f" | {last_head} |", "| --- | --- | --- |" + " --- |" * len(budgets) + " --- |"]
+        for r in rows:
+            cs = r["configs"]
+            t.append(f"| {r['domain']} | {r['layer']} | {cell(cs['r=auto'])} | "
+                     + " | ".join(cell(cs[b]) for b in budgets) + f" | {last_cell(cs['r=auto'])} |")
+        return t
+
+    out += budget_table("Survival % (cost D_DoSA/D_base) for a budget r forced on every query, same seeds, "
+                        "τ and p_h as the automatic budget (strided sample); last column: the floor s ≥ τ:",
+                        "floor s ≥ τ", lambda c: f"{pct(c['survival'])} ({c['cost_ratio']:.2f})",
+                        lambda c: pct(c["exact_floor"]))
+    out += budget_table("The same budgets with a perfect threshold: survival % if τ were τ* (U^num ≥ τ*); "
+                        "last column: the Top-K itself (s ≥ τ*):", "s ≥ τ*",
+                        lambda c: pct(c["survival_at_tau_star"]), lambda c: pct(c["survival_top"]))
     seedp = [k for k in rows[0]["configs"] if "seed p" in k]
     if seedp:
         out += ["", "`Config(retained_heads=r)` as the library runs it (p_h measured on the seeds) vs the "

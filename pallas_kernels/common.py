@@ -96,6 +96,13 @@ def mma_pieces(x: Array, mma_dtype=BF16) -> Array:
     return jnp.stack([hi, lo])
 
 
+def row_pieces(x: Array, single: bool) -> Array:
+    """MMA pieces of screening rows: one bf16 piece (``single``; the rounding, zero for rows
+    exact in bf16, is charged by :func:`pallas_kernels.numerics.representation_error`), else
+    hi + lo as :func:`mma_pieces`."""
+    return x.astype(BF16)[None] if single else mma_pieces(x.astype(jnp.float32))
+
+
 def as_mma_operand(x, fp8_mma: bool = False):
     """In-kernel cast of a stored piece to the MMA operand dtype (exact for fp8 -> bf16)."""
     want = FP8 if fp8_mma else BF16

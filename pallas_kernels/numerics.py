@@ -27,7 +27,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from dosa_jax import numerics as nm
-from pallas_kernels.common import BF16, FP8, mma_pieces, pieces_value
+from pallas_kernels.common import BF16, FP8, mma_pieces, pieces_value, row_pieces
 
 #: Unit roundoff assumed for the tensor-core accumulation of bf16 products.
 U_MMA = 2.0 ** -22
@@ -47,10 +47,10 @@ def representation_error(x, single_piece: bool = False):
     """‖x − pieces(x)‖ upper bound along the last axis (float32 in, any float dtype).
 
     ``single_piece``: the one-bf16-piece representation of screening rows
-    (:func:`pallas_kernels.screen.row_pieces`), 0 for rows exact in bf16.
+    (:func:`pallas_kernels.common.row_pieces`), 0 for rows exact in bf16.
     """
     xf = x.astype(jnp.float32)
-    pieces = xf.astype(BF16)[None] if single_piece else mma_pieces(x)
+    pieces = row_pieces(x, True) if single_piece else mma_pieces(x)
     diff = xf - pieces_value(pieces).astype(jnp.float32)
     return nm.norm_upper(diff)
 

@@ -31,6 +31,7 @@ from jax import lax
 
 from dosa_jax import enclosure as enc
 from dosa_jax import numerics as nm
+from dosa_jax import seeds as seeds_mod
 from dosa_jax.bounds.heads import activation_frequencies
 from dosa_jax.budget import estimated_survival
 from dosa_jax.pipeline import Stats
@@ -39,7 +40,7 @@ from dosa_jax.selection import INT32_MIN, key_to_score
 from pallas_kernels import dense as dense_mod
 from pallas_kernels import numerics as knum
 from pallas_kernels import records as rec
-from pallas_kernels.common import MAX_KEYS, THETA_NONE, round_up
+from pallas_kernels.common import MAX_KEYS, THETA_NONE, next_pow2, round_up
 from pallas_kernels.dense import Tiles, prepare_operands
 from pallas_kernels.refine import group_seed_lists, refine
 from pallas_kernels.screen import prepare_screen, screen, split_aggregate_bf16
@@ -131,7 +132,6 @@ def _plan_sample(q, k, k_scale, knorm, lo, hi, config):
     Returns (payload dots [T, P, H] for p_h, dots and norms in score units (× α_i),
     validity [T, P]).
     """
-    from dosa_jax import seeds as seeds_mod
     T = q.shape[0]
     P = round_up(config.budget_sample, 8)
     lay = seeds_mod.seed_layout(lo, hi, "strided", config.budget_sample, 0, 0.0)
@@ -167,7 +167,6 @@ def screen_friendly_budget(r: int, A: int, H: int) -> int:
     down to ``next_pow2(r) − A`` when it would (r = 16, A = 2 would need 32 rows).
     Correctness holds for any retained set (SPEC §4).
     """
-    from pallas_kernels.common import next_pow2
     up = next_pow2(r + A)
     r2 = up - A if up == next_pow2(r) else next_pow2(r) - A
     return int(min(max(r2, 1), max(H - 1, 1)))

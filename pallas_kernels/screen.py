@@ -37,9 +37,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from dosa_jax import numerics as nm
 from pallas_kernels import records as rec
-from pallas_kernels.common import (ID_BITS, split_key_tiles, as_mma_operand, compiler_params, interpret_default, mma_pieces,
-                                   next_pow2, pad_axis, piece_pairs, round_up)
+from pallas_kernels.common import (ID_BITS, as_mma_operand, compiler_params, interpret_default,
+                                   next_pow2, pad_axis, piece_pairs, round_up, row_pieces,
+                                   split_key_tiles)
 
 Array = jax.Array
 #: Relative upward nudge of the final bound (covers the last roundings: α·v, the sum).
@@ -84,12 +86,6 @@ def screen_queries_per_program(Rp: int, T: int, layout: str = "hk", BQs=None) ->
     return bq
 
 
-def row_pieces(x: Array, single: bool) -> Array:
-    """MMA pieces of screening rows: one bf16 piece (``single``; any rounding is
-    charged by :func:`pallas_kernels.numerics.representation_error`), else hi + lo."""
-    return x.astype(jnp.bfloat16)[None] if single else mma_pieces(x.astype(jnp.float32))
-
-
 def split_aggregate_bf16(aggregate: Array):
     """Aggregate rows a = hi + lo (+ e) as two bf16-exact rows each, and ‖e‖ bounded upward.
 
@@ -101,7 +97,6 @@ def split_aggregate_bf16(aggregate: Array):
     Returns:
       ([T, 2A, D] float32 rows exactly representable in bf16, [T] float32 ‖e‖ upper).
     """
-    from dosa_jax import numerics as nm
     a = aggregate.astype(jnp.float32)
     hi = a.astype(jnp.bfloat16).astype(jnp.float32)
     lo = (a - hi).astype(jnp.bfloat16).astype(jnp.float32)
