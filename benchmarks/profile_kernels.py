@@ -1,0 +1,103 @@
+"""Where the Pallas kernels spend their time on the GPU: ablations timed side by side.
+
+    python -m benchmarks.profile_kernels --T 4096 --N 1048576 [--data trained:code:2] \
+        [--only dense,screen] [--ncu]
+
+Times (median of ``--iters`` after warm-up, CUDA-synchronised wall time) of the
+dense scan at the shape, and of variants that each leave one part out:
+
+* ``dense``: the dense scan as ``dense_topk`` runs it (records, online threshold);
+* ``no_records``: the same scan with θ₀ above every score (scores, order keys and
+  the accept test run; nothing is appended, no compaction);
+* ``tiles:<spec>``: the no-records scan with other tiles (``BQ:BK:warps:stages``).
+
+With ``--ncu`` the script runs each jitted function once (for Nsight Compute;
+it then times nothing). Output: a JSON line per measurement on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+
+def _time(fn, *args, warmup=2, iters=7):
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+def main(argv=None):
+    from benchmarks.run import make_inputs
+    from benchmarks.shapes import Shape
+    from dosa_jax.config import Config
+    from pallas_kernels import dense as dm
+    from pallas_kernels.common import THETA_NONE
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--T", type=int, default=4096)
+    ap.add_argument("--N", type=int, default=1 << 20)
+    ap.add_argument("--data", default="trained:code:2")
+    ap.add_argument("--iters", type=int, default=7)
+    ap.add_argument("--tiles", default="4:128:4:3,8:128:4:3,4:64:4:3,4:256:8:3,4:128:4:4,4:128:8:3")
+    ap.add_argument("--layouts", default="kh")
+    ap.add_argument("--runs", default="", help="comma-separated run names to keep (default all)")
+    ap.add_argument("--ncu", action="store_true")
+    a = ap.parse_args(argv)
+    shape = Shape("prof", a.T, a.N)
+    inp = make_inputs(shape, a.data)
+    q, k, w, sc, lo, hi = inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi
+    visible = float(jnp.sum((hi - lo).astype(jnp.float32)))
+    flops = 2.0 * shape.H * shape.D * visible
+    cfg = Config(top_k=shape.K, backend="pallas")
+
+    def report(name, ms):
+        print(json.dumps(dict(name=name, ms=ms, tflops=flops / ms / 1e9, T=a.T, N=a.N)),
+              flush=True)
+
+    def scan(tiles, theta):
+        def f(q, k, w, sc, lo, hi):
+            ops = dm.prepare_operands(q, w, k, sc, tiles.BQ, jnp.bfloat16, tiles.layout)
+            S = dm.default_splits(q.shape[0], k.shape[0], tiles.BQ, tiles.BK)
+            th = jnp.full((q.shape[0],), theta, jnp.int32)
+            c = dm.dense_candidates(ops, lo, hi, th, shape.K, splits=S, tiles=tiles)
+            return c.count, c.theta
+        return jax.jit(f)
+
+    args = (q, k, w, sc, lo, hi)
+    from pallas_kernels import pipeline
+    dcfg = Config(top_k=shape.K, backend="pallas", seed_size=16384)
+    runs = [("dense", jax.jit(lambda *x: dm.dense_topk(*x, cfg))),
+            ("dosa", jax.jit(lambda *x: pipeline.dosa_topk(*x, dcfg)[:2])),
+            ("no_records", scan(dm.Tiles(), 2 ** 31 - 1))]
+    for lay in a.layouts.split(","):
+        for spec in a.tiles.split(","):
+            bq, bk, wp, st = map(int, spec.split(":"))
+            t = dm.Tiles(BQ=bq, BK=bk, num_warps=wp, num_stages=st, layout=lay)
+            runs.append((f"no_records@{lay}:{spec}", scan(t, 2 ** 31 - 1)))
+    keep = set(filter(None, a.runs.split(",")))
+    for name, f in runs:
+        if keep and name not in keep:
+            continue
+        try:
+            if a.ncu:
+                jax.block_until_ready(f(*args))
+                print(json.dumps(dict(name=name, ncu=True)), flush=True)
+            else:
+                report(name, _time(f, *args, iters=a.iters))
+        except Exception as e:  # noqa: BLE001
+            print(json.dumps(dict(name=name, error=repr(e)[:400])), flush=True)
+
+
+if __name__ == "__main__":
+    main()
