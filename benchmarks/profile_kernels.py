@@ -49,8 +49,11 @@ def main(argv=None):
     ap.add_argument("--N", type=int, default=1 << 20)
     ap.add_argument("--data", default="trained:code:2")
     ap.add_argument("--iters", type=int, default=7)
-    ap.add_argument("--tiles", default="4:128:4:3,8:128:4:3,4:64:4:3,4:256:8:3,4:128:4:4,4:128:8:3")
-    ap.add_argument("--layouts", default="kh")
+    ap.add_argument("--tiles", default="kh:4:128:4:3,kc:4:128:4:3,kc:8:128:4:3,kc:4:64:4:3",
+                    help="no-records scans: layout:BQ:BK:warps:stages")
+    ap.add_argument("--dosa", default="",
+                    help="DoSA and dense with these tiles (benchmarks.run.parse_tiles specs), "
+                         "checked bitwise against each other")
     ap.add_argument("--runs", default="", help="comma-separated run names to keep (default all)")
     ap.add_argument("--ncu", action="store_true")
     a = ap.parse_args(argv)
@@ -80,11 +83,24 @@ def main(argv=None):
     runs = [("dense", jax.jit(lambda *x: dm.dense_topk(*x, cfg))),
             ("dosa", jax.jit(lambda *x: pipeline.dosa_topk(*x, dcfg)[:2])),
             ("no_records", scan(dm.Tiles(), 2 ** 31 - 1))]
-    for lay in a.layouts.split(","):
-        for spec in a.tiles.split(","):
-            bq, bk, wp, st = map(int, spec.split(":"))
-            t = dm.Tiles(BQ=bq, BK=bk, num_warps=wp, num_stages=st, layout=lay)
-            runs.append((f"no_records@{lay}:{spec}", scan(t, 2 ** 31 - 1)))
+    for spec in filter(None, a.tiles.split(",")):
+        lay, rest = spec.split(":", 1)
+        bq, bk, wp, st = map(int, rest.split(":"))
+        t = dm.Tiles(BQ=bq, BK=bk, num_warps=wp, num_stages=st, layout=lay)
+        runs.append((f"no_records@{spec}", scan(t, 2 ** 31 - 1)))
+    from benchmarks.run import parse_tiles
+    for spec in filter(None, a.dosa.split(",")):
+        t, seeds = parse_tiles(spec)
+        c = Config(top_k=shape.K, backend="pallas", seed_size=seeds)
+        fd = jax.jit(lambda *x, t=t, c=c: pipeline.dosa_topk(*x, c, tiles=t)[:2])
+        fe = jax.jit(lambda *x, t=t, c=c: pipeline.dense_topk(*x, c, tiles=t))
+        try:
+            (di, ds), (ei, es) = fd(*args), fe(*args)
+            print(json.dumps(dict(name=f"check@{spec}", indices_equal=bool(jnp.all(di == ei)),
+                                  scores_equal=bool(jnp.all(ds == es)))), flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(json.dumps(dict(name=f"check@{spec}", error=repr(e)[:400])), flush=True)
+        runs += [(f"dosa@{spec}", fd), (f"dense@{spec}", fe)]
     keep = set(filter(None, a.runs.split(",")))
     for name, f in runs:
         if keep and name not in keep:

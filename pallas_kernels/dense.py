@@ -59,13 +59,17 @@ class Tiles(NamedTuple):
     screen_warps: int = 4
 
 
+#: MMA layouts of the scoring and screening tiles (:func:`pallas_kernels.scoring.score_tile`).
+LAYOUTS = ("hk", "kh", "kc")
+
+
 def check_tiles(tiles: Tiles) -> Tiles:
     """Reject tile configurations the kernels cannot run, naming the field."""
     if not isinstance(tiles, Tiles):
         raise TypeError(f"tiles must be a pallas_kernels.dense.Tiles, got {type(tiles).__name__}")
     for f in ("layout", "screen_layout"):
-        if getattr(tiles, f) not in ("hk", "kh"):
-            raise ValueError(f"tiles.{f} must be 'hk' or 'kh', got {getattr(tiles, f)!r}")
+        if getattr(tiles, f) not in LAYOUTS:
+            raise ValueError(f"tiles.{f} must be one of {LAYOUTS}, got {getattr(tiles, f)!r}")
     for f in ("BQ", "BK", "CH"):
         v = getattr(tiles, f)
         if v < 1 or v & (v - 1):

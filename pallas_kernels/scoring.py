@@ -36,10 +36,10 @@ Array = jax.Array
 def load_query_tile(q_refs, w_ref, g, *, BQ: int, H: int, layout: str):
     """Load query group ``g``'s operand rows and head weights inside a kernel.
 
-    ``layout="hk"``: one [BQ*H, D] block per piece and a [BQ*H] weight vector.
+    ``layout="hk"`` or ``"kc"``: one [BQ*H, D] block per piece and a [BQ*H] weight vector.
     ``layout="kh"``: per piece a list of BQ [H, D] blocks, and BQ [H] weight vectors.
     """
-    if layout == "hk":
+    if layout in ("hk", "kc"):
         rows = pl.ds(g * BQ * H, BQ * H)
         return [q_ref[rows, :] for q_ref in q_refs], w_ref[rows]
     qs = [[q_ref[pl.ds((g * BQ + i) * H, H), :] for i in range(BQ)] for q_ref in q_refs]
@@ -50,7 +50,7 @@ def score_tile(q_pieces, w_rows, k_pieces, scale, *, BQ: int, H: int, pairs,
                fp8_mma: bool = False, layout: str = "hk"):
     """Scores of a tile inside a kernel.
 
-    Two MMA layouts compute the same function with different rounding orders
+    Three MMA layouts compute the same function with different rounding orders
     (each is used by *every* scoring kernel of a run, so their scores agree):
 
     * ``"hk"``: one dot [BQ*H, D] × [D, BK] (query heads as MMA rows); the head
@@ -58,11 +58,14 @@ def score_tile(q_pieces, w_rows, k_pieces, scale, *, BQ: int, H: int, pairs,
     * ``"kh"``: per query one dot [BK, D] × [D, H] (keys as MMA rows, H ≥ 16);
       the head sum reduces along the accumulator's columns, which a thread holds
       (in-thread adds and a quad shuffle instead of a cross-warp reduction).
+    * ``"kc"``: one dot [BK, D] × [D, BQ*H] for all BQ queries (keys as MMA rows, the
+      queries' heads concatenated as columns: one wider MMA instead of BQ narrow ones);
+      the head sum reduces each query's H columns, then the [BK, BQ] result is transposed.
 
     Args:
-      q_pieces: per piece, [BQ*H, D] ("hk") or a list of BQ [H, D] ("kh") operands
+      q_pieces: per piece, [BQ*H, D] ("hk", "kc") or a list of BQ [H, D] ("kh") operands
         (:func:`load_query_tile`).
-      w_rows: [BQ*H] ("hk") or BQ × [H] ("kh") float32 head weights (0 for padding heads).
+      w_rows: [BQ*H] ("hk", "kc") or BQ × [H] ("kh") float32 head weights (0 for padding heads).
       k_pieces: list of [BK, D] MMA operands.
       scale: [BK] float32 key scales α_i.
       pairs: static (q piece, k piece) products to sum, in order.
@@ -83,6 +86,16 @@ def score_tile(q_pieces, w_rows, k_pieces, scale, *, BQ: int, H: int, pairs,
                 x = d if x is None else x + d                        # [BK, H]
             si = jnp.sum(jnp.maximum(x, 0.0) * w_rows[i][None, :], axis=1)
             s = jnp.where(qi == i, jnp.broadcast_to(si[None, :], (BQ, bk)), s)
+    elif layout == "kc":
+        x = None
+        for a, b in pairs:
+            d = lax.dot_general(as_mma_operand(k_pieces[b], fp8_mma),
+                                as_mma_operand(q_pieces[a], fp8_mma),
+                                (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            x = d if x is None else x + d                            # [BK, BQ*H]
+        bk = x.shape[0]
+        y = jnp.maximum(x, 0.0) * w_rows[None, :]
+        s = jnp.sum(y.reshape(bk, BQ, H), axis=2).T                  # [BQ, BK]
     else:
         x = None
         for a, b in pairs:

@@ -70,15 +70,15 @@ class ScreenOperands(NamedTuple):
 def screen_queries_per_program(Rp: int, T: int, layout: str = "hk", BQs=None) -> int:
     """Queries per screening program, a multiple of the group of 4.
 
-    ``"hk"``: enough to fill ≥ 64 MMA rows. ``"kh"`` (one dot per query): ``BQs``
-    (default 4); more queries share each key tile's load.
+    ``"hk"``: enough to fill ≥ 64 MMA rows. ``"kh"`` (one dot per query) and ``"kc"``
+    (one dot for all queries): ``BQs`` (default 4); more queries share each key tile's load.
     """
     if BQs:
         if BQs % GROUP:
             raise ValueError(f"screen queries per program must be a multiple of {GROUP}, got {BQs}")
         return int(min(BQs, max(GROUP, next_pow2(T))))
-    if layout == "kh":
-        return GROUP
+    if layout in ("kh", "kc"):
+        return max(GROUP, next_pow2(-(-16 // Rp)))
     bq = max(GROUP, next_pow2(max(1, 64 // Rp)))
     bq = min(bq, max(GROUP, next_pow2(T)))
     while bq * Rp < 16:
@@ -145,6 +145,8 @@ def bound_tile(r_pieces, row_w, agg_m, k_pieces, knorm, scale, linear, coef, eps
     ``"hk"``: one dot [BQs*Rp, D] × [D, BK], sums across the accumulator's rows.
     ``"kh"``: per query one dot [BK, D] × [D, Rp] (``r_pieces[a]``, ``row_w``, ``agg_m``
     are lists over the BQs queries), sums along the columns a thread holds.
+    ``"kc"``: one dot [BK, D] × [D, BQs*Rp] (all queries' rows as columns), sums over each
+    query's Rp columns, then the [BK, BQs] sums are transposed.
     """
     if layout == "kh":
         bk = k_pieces[0].shape[0]
@@ -161,6 +163,15 @@ def bound_tile(r_pieces, row_w, agg_m, k_pieces, knorm, scale, linear, coef, eps
             zi = jnp.sum(y * agg_m[i][None, :], axis=1)
             pos = jnp.where(qi == i, jnp.broadcast_to(pi[None, :], (BQs, bk)), pos)
             z = jnp.where(qi == i, jnp.broadcast_to(zi[None, :], (BQs, bk)), z)
+    elif layout == "kc":
+        y = None
+        for a, b in pairs:
+            d = lax.dot_general(as_mma_operand(k_pieces[b]), as_mma_operand(r_pieces[a]),
+                                (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            y = d if y is None else y + d                           # [BK, BQs*Rp]
+        bk = y.shape[0]
+        pos = jnp.sum((jnp.maximum(y, 0.0) * row_w[None, :]).reshape(bk, BQs, Rp), axis=2).T
+        z = jnp.sum((y * agg_m[None, :]).reshape(bk, BQs, Rp), axis=2).T
     else:
         y = None
         for a, b in pairs:
