@@ -55,6 +55,7 @@ def main(argv=None):
                     help="DoSA and dense with these tiles (benchmarks.run.parse_tiles specs), "
                          "checked bitwise against each other")
     ap.add_argument("--runs", default="", help="comma-separated run names to keep (default all)")
+    ap.add_argument("--stages", action="store_true", help="time DoSA cut after each stage")
     ap.add_argument("--ncu", action="store_true")
     a = ap.parse_args(argv)
     shape = Shape("prof", a.T, a.N)
@@ -101,6 +102,9 @@ def main(argv=None):
         except Exception as e:  # noqa: BLE001
             print(json.dumps(dict(name=f"check@{spec}", error=repr(e)[:400])), flush=True)
         runs += [(f"dosa@{spec}", fd), (f"dense@{spec}", fe)]
+        for stage in (("seeds", "screen", "refine") if a.stages else ()):
+            runs.append((f"dosa_until_{stage}@{spec}", jax.jit(
+                lambda *x, t=t, c=c, s_=stage: pipeline.dosa_topk(*x, c, tiles=t, stop_after=s_))))
     keep = set(filter(None, a.runs.split(",")))
     for name, f in runs:
         if keep and name not in keep:

@@ -48,14 +48,14 @@ class Tiles(NamedTuple):
     """
 
     BQ: int = 4          # queries per program (refinement group size, paper Sec. 3)
-    BK: int = 128        # keys per tile
+    BK: int = 64         # keys per tile
     CH: int = 512        # record slots per pass of the threshold search
     num_warps: int = 4
     num_stages: int = 3
-    layout: str = "kh"   # MMA layout of the scoring tile (:func:`pallas_kernels.scoring.score_tile`)
+    layout: str = "kc"   # MMA layout of the scoring tile (:func:`pallas_kernels.scoring.score_tile`)
     # the screening kernel (DoSA only; its bound need not match any score bitwise)
-    screen_layout: str = "kh"
-    screen_bq: int = 0       # queries per screening program (0: the layout's default)
+    screen_layout: str = "kc"
+    screen_bq: int = 8       # queries per screening program (0: the layout's default)
     screen_warps: int = 4
 
 

@@ -139,8 +139,8 @@ def prepare_screen(rows, row_w, aggregate, linear, coef, eps, tau, prune, Dp: in
 
 
 def bound_tile(r_pieces, row_w, agg_m, k_pieces, knorm, scale, linear, coef, eps, *,
-               BQs: int, Rp: int, pairs, layout: str = "hk"):
-    """U for a tile inside a kernel: [BQs, BK] float32.
+               BQs: int, Rp: int, pairs, layout: str = "hk", keys_major: bool = False):
+    """U for a tile inside a kernel: [BQs, BK] float32 ([BK, BQs] with ``keys_major``, "kc" only).
 
     ``"hk"``: one dot [BQs*Rp, D] × [D, BK], sums across the accumulator's rows.
     ``"kh"``: per query one dot [BK, D] × [D, Rp] (``r_pieces[a]``, ``row_w``, ``agg_m``
@@ -170,8 +170,14 @@ def bound_tile(r_pieces, row_w, agg_m, k_pieces, knorm, scale, linear, coef, eps
                                 (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
             y = d if y is None else y + d                           # [BK, BQs*Rp]
         bk = y.shape[0]
-        pos = jnp.sum((jnp.maximum(y, 0.0) * row_w[None, :]).reshape(bk, BQs, Rp), axis=2).T
-        z = jnp.sum((y * agg_m[None, :]).reshape(bk, BQs, Rp), axis=2).T
+        pos = jnp.sum((jnp.maximum(y, 0.0) * row_w[None, :]).reshape(bk, BQs, Rp), axis=2)
+        z = jnp.sum((y * agg_m[None, :]).reshape(bk, BQs, Rp), axis=2)   # [BK, BQs]
+        if keys_major:   # the bound in the accumulator's orientation (no transpose)
+            neg = jnp.where(linear[None, :] != 0, z, jnp.maximum(z, 0.0))
+            v = (pos - neg) + (knorm[:, None] * coef[None, :] + eps[None, :])
+            v = v * scale[:, None]
+            return v + jnp.abs(v) * UP_NUDGE + UP_FLOOR
+        pos, z = pos.T, z.T
     else:
         y = None
         for a, b in pairs:
@@ -219,6 +225,8 @@ def _screen_kernel(*refs, Pr: int, Pk: int, BQs: int, Rp: int, BK: int, N: int, 
     groups = g * G + jnp.arange(G, dtype=jnp.int32)
     base = (groups * S + s) * Cs
     qbit = (jnp.int32(1) << (jnp.arange(BQs, dtype=jnp.int32) % GROUP))
+    keys_major = layout == "kc"
+    si_shape = (BK, BQs) if keys_major else (BQs, BK)
 
     def body(j, carry):
         cnt, qs = carry
@@ -229,11 +237,17 @@ def _screen_kernel(*refs, Pr: int, Pk: int, BQs: int, Rp: int, BK: int, N: int, 
         kn = rec._plgpu().load(kn_ref.at[pl.ds(j * BK, BK)], mask=inb, other=0.0)
         sc = rec._plgpu().load(sc_ref.at[pl.ds(j * BK, BK)], mask=inb, other=1.0)
         U = bound_tile(rp, rw, am, kp, kn, sc, lin, coef, eps, BQs=BQs, Rp=Rp, pairs=pairs,
-                       layout=layout)
-        vis = (ids[None, :] >= lo[:, None]) & (ids[None, :] < hi[:, None])
-        surv = vis & (~(U < tau[:, None]) | ~prune[:, None])
-        si = surv.astype(jnp.int32)
-        bits = jnp.sum((si * qbit[:, None]).reshape(G, GROUP, BK), axis=1)
+                       layout=layout, keys_major=keys_major)
+        if keys_major:   # [BK, BQs]: the query-axis sums stay in the MMA layout's threads
+            vis = (ids[:, None] >= lo[None, :]) & (ids[:, None] < hi[None, :])
+            surv = vis & (~(U < tau[None, :]) | ~prune[None, :])
+            si = surv.astype(jnp.int32)
+            bits = jnp.sum((si * qbit[None, :]).reshape(BK, G, GROUP), axis=2).T   # [G, BK]
+        else:
+            vis = (ids[None, :] >= lo[:, None]) & (ids[None, :] < hi[:, None])
+            surv = vis & (~(U < tau[:, None]) | ~prune[:, None])
+            si = surv.astype(jnp.int32)
+            bits = jnp.sum((si * qbit[:, None]).reshape(G, GROUP, BK), axis=1)
         anyq = bits > 0
         ai = anyq.astype(jnp.int32)
         n = jnp.sum(ai, axis=1)
@@ -244,12 +258,13 @@ def _screen_kernel(*refs, Pr: int, Pk: int, BQs: int, Rp: int, BK: int, N: int, 
             rec.store_slots(sv_ref, base, pos, ids[None, :] | (bits << ID_BITS), ok, size)
 
         lax.cond(jnp.max(n) > 0, write, lambda: None)
-        return cnt + n, qs + jnp.sum(si, axis=1)
+        return cnt + n, qs + si      # per-query counts summed once, after the loop
 
     cnt, qs = lax.fori_loop(start, stop, body,
-                            (jnp.zeros((G,), jnp.int32), jnp.zeros((BQs,), jnp.int32)))
+                            (jnp.zeros((G,), jnp.int32), jnp.zeros(si_shape, jnp.int32)))
     cnt_ref[groups * S + s] = cnt
-    qs_ref[(g * BQs + jnp.arange(BQs, dtype=jnp.int32)) * S + s] = qs
+    qs_ref[(g * BQs + jnp.arange(BQs, dtype=jnp.int32)) * S + s] = jnp.sum(
+        qs, axis=0 if keys_major else 1)
 
 
 class Survivors(NamedTuple):

@@ -25,8 +25,10 @@ ON_GPU = on_gpu()
 # one pytest-xdist worker runs this file: its tests share interpret-mode compilations
 pytestmark = pytest.mark.xdist_group("pallas_kernels")
 TILES = dense.Tiles(BQ=4, BK=16, CH=32)
-# keys as MMA rows (score_tile's and the screen's second layout), 8 queries per screen program
-TILES_KH = TILES._replace(layout="kh", screen_layout="kh", screen_bq=8)
+# keys as MMA rows, one dot per query (score_tile's and the screen's second layout)
+TILES_KH = TILES._replace(layout="kh", screen_layout="kh")
+# keys as MMA rows, the queries' heads/rows concatenated (the default), 8 queries per screen program
+TILES_KC = TILES._replace(layout="kc", screen_layout="kc", screen_bq=8)
 
 
 def _assert_topk_close(idx, sc, ridx, rsc, tol=1e-5):
@@ -101,9 +103,9 @@ def test_exact_topk_matches_reference_with_ties_nan_and_bad_guess():
     assert int(st["fallback_rows"][4]) == 1
 
 
-@pytest.mark.parametrize("single_piece,layout,bq", [(False, "hk", None), (True, "hk", None),
-                                                    (True, "kh", None), (False, "kh", 8)],
-                         ids=["two_pieces", "one_piece", "one_piece_kh", "two_pieces_kh_bq8"])
+@pytest.mark.parametrize("single_piece,layout,bq", [(False, "hk", None), (True, "kh", None),
+                                                    (True, "kc", None), (False, "kc", 8)],
+                         ids=["two_pieces", "one_piece_kh", "one_piece_kc", "two_pieces_kc_bq8"])
 def test_screen_matches_twin(single_piece, layout, bq):
     inp = synthetic.structured(T=8, N=500, H=4, D=32, seed=2, key_dtype="float8_e4m3fn",
                                query_dtype="bfloat16")
@@ -130,7 +132,8 @@ def test_screen_matches_twin(single_piece, layout, bq):
     sops = screen.prepare_screen(rows, row_w, agg, linear, coef, eps, tau, prune, ops.k.shape[-1],
                                  single_piece=single_piece, layout=layout, BQs=bq)
     assert sops.BQs % 4 == 0 and (bq is None or sops.BQs == bq)
-    assert layout == "hk" or sops.Rp >= 16
+    assert layout != "kh" or sops.Rp >= 16
+    assert layout == "hk" or sops.BQs * sops.Rp >= 16
     assert sops.rows.shape[0] == (1 if single_piece else 2)
     surv = screen.screen(sops, inp.lo, inp.hi, ops.k, knorm, ops.scale, splits=2, capacity=512,
                          BK=16)
@@ -197,9 +200,9 @@ def _check_unprunable_groups_go_straight_to_dense(inp, cfg):
     assert int(jnp.sum(st2.recoveries)) == 8
 
 
-@pytest.mark.parametrize("tiles", [TILES, TILES_KH], ids=["hk", "kh"])
+@pytest.mark.parametrize("tiles", [TILES, TILES_KC], ids=["hk", "kc"])
 def test_dosa_pallas_equals_dense_pallas_bitwise(tiles):
-    """DoSA == dense bitwise (both scoring layouts), vs the twin, the screening bound on every
+    """DoSA == dense bitwise (two scoring and screening layouts), vs the twin, the screening bound on every
     key, τ from the seed kernel; with the hk tiles also groups sent straight to dense."""
     inp = synthetic.structured(T=8, N=1500, H=8, D=32, seed=3, key_dtype="float8_e4m3fn",
                                query_dtype="bfloat16")
