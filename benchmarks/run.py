@@ -171,7 +171,8 @@ def workspace_bytes(det, T, K, BK=64):
 
 
 def parse_tiles(spec):
-    """``layout:BK:warps:stages[:screen_layout:screen_bq:screen_warps][/seeds]`` -> (Tiles, seeds).
+    """``layout:BK:warps:stages[:screen_layout:screen_bq:screen_warps[:keys_major]][/seeds]``
+    -> (Tiles, seeds).
 
     E.g. ``kh:128:4:3:kh:8:4/8192``; BQ is 4 (the refinement group); '' -> defaults.
     """
@@ -184,12 +185,14 @@ def parse_tiles(spec):
     t = dense_mod.Tiles(BQ=4, BK=int(f[1]), num_warps=int(f[2]), num_stages=int(f[3]), layout=f[0])
     if len(f) > 4:
         t = t._replace(screen_layout=f[4], screen_bq=int(f[5]), screen_warps=int(f[6]))
+    if len(f) > 7:
+        t = t._replace(screen_keys_major=bool(int(f[7])))
     return t, seeds
 
 
 def tiles_name(t, seeds=None):
     name = (f"{t.layout}:{t.BK}:{t.num_warps}:{t.num_stages}:{t.screen_layout}:{t.screen_bq}:"
-            f"{t.screen_warps}")
+            f"{t.screen_warps}:{int(t.screen_keys_major)}")
     return name if seeds is None else f"{name}/{seeds}"
 
 
@@ -357,7 +360,8 @@ def dosa_sweep_section(res, shape, data, iters, specs):
         name = tiles_name(tiles, seeds)
         cfg = Config(top_k=shape.K, backend="pallas", seed_size=seeds)
         try:
-            score_tiles = tiles._replace(screen_layout="hk", screen_bq=0, screen_warps=4)
+            score_tiles = tiles._replace(screen_layout="hk", screen_bq=0, screen_warps=4,
+                                         screen_keys_major=True)
             if score_tiles not in dense_out:
                 dense_out[score_tiles] = jax.jit(
                     lambda *a, t=tiles: pipeline.dense_topk(*a, cfg, tiles=t))(*args)

@@ -55,8 +55,11 @@ class Tiles(NamedTuple):
     layout: str = "kc"   # MMA layout of the scoring tile (:func:`pallas_kernels.scoring.score_tile`)
     # the screening kernel (DoSA only; its bound need not match any score bitwise)
     screen_layout: str = "kc"
-    screen_bq: int = 8       # queries per screening program (0: the layout's default)
+    screen_bq: int = 4       # queries per screening program (0: the layout's default)
     screen_warps: int = 4
+    # "kc" screen: evaluate the bound and the survival bits as [BK, BQs] (the accumulator's
+    # orientation), else transpose the two row sums to [BQs, BK] first
+    screen_keys_major: bool = True
 
 
 #: MMA layouts of the scoring and screening tiles (:func:`pallas_kernels.scoring.score_tile`).

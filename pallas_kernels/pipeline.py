@@ -286,7 +286,8 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     slo = jnp.where(direct, 0, lo)
     shi = jnp.where(direct, 0, hi)
     surv = screen(sops, slo, shi, ops.k, knorm, ops.scale, splits=S, capacity=Cs, BK=tiles.BK,
-                  num_warps=tiles.screen_warps, num_stages=tiles.num_stages, interpret=interpret)
+                  num_warps=tiles.screen_warps, num_stages=tiles.num_stages,
+                  keys_major=tiles.screen_keys_major, interpret=interpret)
     slists, scount = surv.packed[:G4], surv.count[:G4]
     overflow_g = jnp.any(scount > slists.shape[-1], axis=1)
     if stop_after == "screen":

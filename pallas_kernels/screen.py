@@ -194,7 +194,7 @@ def bound_tile(r_pieces, row_w, agg_m, k_pieces, knorm, scale, linear, coef, eps
 
 
 def _screen_kernel(*refs, Pr: int, Pk: int, BQs: int, Rp: int, BK: int, N: int, S: int, Cs: int,
-                   pairs, layout: str):
+                   pairs, layout: str, keys_major: bool):
     r_refs = refs[:Pr]
     (rw_ref, am_ref, lin_ref, coef_ref, eps_ref, tau_ref, pr_ref, lo_ref, hi_ref) = refs[Pr:Pr + 9]
     k_refs = refs[Pr + 9:Pr + 9 + Pk]
@@ -225,7 +225,7 @@ def _screen_kernel(*refs, Pr: int, Pk: int, BQs: int, Rp: int, BK: int, N: int, 
     groups = g * G + jnp.arange(G, dtype=jnp.int32)
     base = (groups * S + s) * Cs
     qbit = (jnp.int32(1) << (jnp.arange(BQs, dtype=jnp.int32) % GROUP))
-    keys_major = layout == "kc"
+    keys_major = keys_major and layout == "kc"
     si_shape = (BK, BQs) if keys_major else (BQs, BK)
 
     def body(j, carry):
@@ -276,14 +276,17 @@ class Survivors(NamedTuple):
 
 
 @functools.partial(jax.jit, static_argnames=("BQs", "Rp", "BK", "S", "Cs", "pairs", "num_warps",
-                                             "num_stages", "interpret", "T", "layout"))
+                                             "num_stages", "interpret", "T", "layout",
+                                             "keys_major"))
 def _screen_call(rows, row_w, agg_m, linear, coef, eps, tau, prune, lo, hi, k, knorm, scale, *,
-                 BQs, Rp, BK, S, Cs, pairs, num_warps, num_stages, interpret, T, layout):
+                 BQs, Rp, BK, S, Cs, pairs, num_warps, num_stages, interpret, T, layout,
+                 keys_major):
     Tpad = lo.shape[0]
     G4 = Tpad // GROUP
     N = k.shape[1]
     kern = functools.partial(_screen_kernel, Pr=rows.shape[0], Pk=k.shape[0], BQs=BQs, Rp=Rp,
-                             BK=BK, N=N, S=S, Cs=Cs, pairs=pairs, layout=layout)
+                             BK=BK, N=N, S=S, Cs=Cs, pairs=pairs, layout=layout,
+                             keys_major=keys_major)
     i32 = jnp.int32
     sv, cnt, qs = pl.pallas_call(
         kern, grid=(Tpad // BQs, S),
@@ -296,13 +299,15 @@ def _screen_call(rows, row_w, agg_m, linear, coef, eps, tau, prune, lo, hi, k, k
 
 
 def screen(sops: ScreenOperands, lo, hi, k_pieces, knorm, scale, *, splits: int, capacity: int,
-           BK: int = 64, num_warps: int = 4, num_stages: int = 2, interpret=None) -> Survivors:
+           BK: int = 64, num_warps: int = 4, num_stages: int = 2, keys_major: bool = True,
+           interpret=None) -> Survivors:
     """Run the screening kernel.
 
     Args:
       sops: :func:`prepare_screen` output; lo, hi: [T] ranges;
       k_pieces: [Pk, N, Dp] key MMA pieces; knorm: [N] n_i ≥ ‖k̄_i‖; scale: [N] α_i.
       capacity: survivor slots per (group, split).
+      keys_major: ("kc") evaluate the bound in the accumulator's [BK, BQs] orientation.
     """
     if interpret is None:
         interpret = interpret_default()
@@ -315,7 +320,7 @@ def screen(sops: ScreenOperands, lo, hi, k_pieces, knorm, scale, *, splits: int,
                         sops.tau, sops.prune, lo, hi, k_pieces, knorm, scale, BQs=sops.BQs,
                         Rp=sops.Rp, BK=BK, S=splits, Cs=round_up(capacity, 16), pairs=pairs,
                         num_warps=num_warps, num_stages=num_stages, interpret=interpret, T=T,
-                        layout=sops.layout)
+                        layout=sops.layout, keys_major=bool(keys_major))
 
 
 def screening_bound_reference(rows, row_w, aggregate, linear, coef, eps, k_pieces, knorm,

@@ -103,10 +103,12 @@ def test_exact_topk_matches_reference_with_ties_nan_and_bad_guess():
     assert int(st["fallback_rows"][4]) == 1
 
 
-@pytest.mark.parametrize("single_piece,layout,bq", [(False, "hk", None), (True, "kh", None),
-                                                    (True, "kc", None), (False, "kc", 8)],
-                         ids=["two_pieces", "one_piece_kh", "one_piece_kc", "two_pieces_kc_bq8"])
-def test_screen_matches_twin(single_piece, layout, bq):
+@pytest.mark.parametrize("single_piece,layout,bq,keys_major",
+                         [(False, "hk", None, False), (True, "kh", None, False),
+                          (True, "kc", None, False), (False, "kc", 8, True)],
+                         ids=["two_pieces", "one_piece_kh", "one_piece_kc_transposed",
+                              "two_pieces_kc_bq8_keys_major"])
+def test_screen_matches_twin(single_piece, layout, bq, keys_major):
     inp = synthetic.structured(T=8, N=500, H=4, D=32, seed=2, key_dtype="float8_e4m3fn",
                                query_dtype="bfloat16")
     T = 8
@@ -136,7 +138,7 @@ def test_screen_matches_twin(single_piece, layout, bq):
     assert layout == "hk" or sops.BQs * sops.Rp >= 16
     assert sops.rows.shape[0] == (1 if single_piece else 2)
     surv = screen.screen(sops, inp.lo, inp.hi, ops.k, knorm, ops.scale, splits=2, capacity=512,
-                         BK=16)
+                         BK=16, keys_major=keys_major)
     U = screen.screening_bound_reference(rows, row_w, agg, linear, coef, eps, ops.k, knorm,
                                          ops.scale, single_piece=single_piece)
     m = np.asarray(screen.survivors_reference(U, tau, prune, inp.lo, inp.hi))
