@@ -60,6 +60,7 @@ class Tiles(NamedTuple):
     # "kc" screen: evaluate the bound and the survival bits as [BK, BQs] (the accumulator's
     # orientation), else transpose the two row sums to [BQs, BK] first
     screen_keys_major: bool = True
+    screen_bk: int = 0       # keys per screening tile (0: BK)
 
 
 #: MMA layouts of the scoring and screening tiles (:func:`pallas_kernels.scoring.score_tile`).
@@ -79,6 +80,8 @@ def check_tiles(tiles: Tiles) -> Tiles:
             raise ValueError(f"tiles.{f} must be a power of two, got {v}")
     if tiles.BK < 16:
         raise ValueError(f"tiles.BK must be >= 16 (an MMA dimension), got {tiles.BK}")
+    if tiles.screen_bk and (tiles.screen_bk < 16 or tiles.screen_bk & (tiles.screen_bk - 1)):
+        raise ValueError(f"tiles.screen_bk must be 0 or a power of two >= 16, got {tiles.screen_bk}")
     if tiles.screen_bq < 0 or tiles.screen_bq % 4:
         raise ValueError(f"tiles.screen_bq must be 0 or a multiple of 4, got {tiles.screen_bq}")
     if tiles.num_warps not in (1, 2, 4, 8, 16) or tiles.screen_warps not in (1, 2, 4, 8, 16):

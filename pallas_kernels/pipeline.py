@@ -285,7 +285,8 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     Cs = survivor_capacity(N, T, S, K, config.capacity)
     slo = jnp.where(direct, 0, lo)
     shi = jnp.where(direct, 0, hi)
-    surv = screen(sops, slo, shi, ops.k, knorm, ops.scale, splits=S, capacity=Cs, BK=tiles.BK,
+    surv = screen(sops, slo, shi, ops.k, knorm, ops.scale, splits=S, capacity=Cs,
+                  BK=tiles.screen_bk or tiles.BK,
                   num_warps=tiles.screen_warps, num_stages=tiles.num_stages,
                   keys_major=tiles.screen_keys_major, interpret=interpret)
     slists, scount = surv.packed[:G4], surv.count[:G4]

@@ -27,8 +27,9 @@ pytestmark = pytest.mark.xdist_group("pallas_kernels")
 TILES = dense.Tiles(BQ=4, BK=16, CH=32)
 # keys as MMA rows, one dot per query (score_tile's and the screen's second layout)
 TILES_KH = TILES._replace(layout="kh", screen_layout="kh")
-# keys as MMA rows, the queries' heads/rows concatenated (the default), 8 queries per screen program
-TILES_KC = TILES._replace(layout="kc", screen_layout="kc", screen_bq=8)
+# keys as MMA rows, the queries' heads/rows concatenated (the default); 8 queries and 32 keys per
+# screen program (the screen's key tile differs from the scoring tiles')
+TILES_KC = TILES._replace(layout="kc", screen_layout="kc", screen_bq=8, screen_bk=32)
 
 
 def _assert_topk_close(idx, sc, ridx, rsc, tol=1e-5):
@@ -338,6 +339,7 @@ def test_bad_tiles_are_rejected_naming_the_field():
                        (TILES._replace(BK=8), "tiles.BK"),
                        (TILES._replace(BK=48), "tiles.BK"),
                        (TILES._replace(screen_bq=6), "tiles.screen_bq"),
+                       (TILES._replace(screen_bk=24), "tiles.screen_bk"),
                        (TILES._replace(screen_layout="rows"), "tiles.screen_layout")):
         with pytest.raises(ValueError, match=field):
             pipeline.dosa_topk(*args, tiles=bad)
