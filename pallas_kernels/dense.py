@@ -40,11 +40,12 @@ class Tiles(NamedTuple):
     Dense and refinement must use the *same* ``BQ``, ``BK``, ``num_warps`` and
     ``layout`` so that their scores agree bitwise (one ``Tiles`` serves a whole call).
 
-    Defaults are the fastest configuration measured on the H200 (session 3,
-    BENCHMARKS.md): keys as MMA rows, 128-key tiles, 3 pipeline stages; in the
-    dense sweep at T=16K, N=128K this took 215 ms against 238 ms for the former
-    ``hk``/64/2-stage default, and with the ``kh`` screen DoSA at N=1M took
-    1272 ms against 1570 ms with the ``hk`` screen.
+    Defaults are the fastest configuration measured on the H200 (session 4, BENCHMARKS.md):
+    the ``kc`` layout (one [BK, D]×[D, 4·H] MMA per key tile for the 4 queries), 64-key tiles,
+    3 pipeline stages, and the ``kc`` screen of 4 queries evaluated keys-major. At T=16K, N=1M
+    this took DoSA from 1280 ms (session 3's ``kh``/128 tiles with the ``kh`` screen) to 927 ms
+    and the dense scan from 982 to 701 ms; 8-query screens, 32-key screen tiles and 8 screen
+    warps were slower.
     """
 
     BQ: int = 4          # queries per program (refinement group size, paper Sec. 3)

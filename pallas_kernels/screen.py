@@ -4,9 +4,10 @@ One shape serves all scoring stages (SPEC §13): per program, ``BQs`` queries'
 plan rows (``Rp`` rows per query: the retained heads with folded weights w̃_j,
 then the negative-aggregate rows, zero rows to a power of two) are multiplied
 against a key tile on the tensor cores — stacked into one [BQs·Rp, D] matrix
-(layout ``"hk"``) or one [BK, D]×[D, Rp] dot per query (``"kh"``, keys as MMA
-rows; the default, measured faster on the H200) — and the bound is evaluated
-per (query, key):
+(layout ``"hk"``), one [BK, D]×[D, Rp] dot per query (``"kh"``, keys as MMA
+rows) or one [BK, D]×[D, BQs·Rp] dot for all of them (``"kc"``, the default:
+DoSA at T=16K, N=1M took 927 ms with it against 1280 ms with ``"kh"`` on the
+H200, BENCHMARKS.md session 4) — and the bound is evaluated per (query, key):
 
     Û = Σ_r w̃_r relu(y_r) − relu(Σ_a z_a)          (− Σ_a z_a in the absolute form)
     U = α_i (Û + n_i·coef + ε_raw),  then nudged up by |U|·2^-21
