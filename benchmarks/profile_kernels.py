@@ -19,22 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
 
-def _time(fn, *args, warmup=2, iters=7):
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
+def _time(fn, *args, iters=7):
+    """Median ms of ``iters`` timed calls after 2 warm-up calls (:func:`benchmarks.run.timeit`)."""
+    from benchmarks.run import timeit
+    return timeit(fn, *args, iters=iters)[0] * 1e3
 
 
 def main(argv=None):
