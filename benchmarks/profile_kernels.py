@@ -1,15 +1,18 @@
 """Where the Pallas kernels spend their time on the GPU: ablations timed side by side.
 
     python -m benchmarks.profile_kernels --T 4096 --N 1048576 [--data trained:code:2] \
-        [--only dense,screen] [--ncu]
+        [--tiles kc:4:64:4:3,...] [--dosa kc:64:4:3:kc:4:4,...] [--stages] [--runs a,b] [--ncu]
 
-Times (median of ``--iters`` after warm-up, CUDA-synchronised wall time) of the
-dense scan at the shape, and of variants that each leave one part out:
+Times (median of ``--iters`` after 2 warm-up calls, wall time around
+``block_until_ready``) at the shape:
 
-* ``dense``: the dense scan as ``dense_topk`` runs it (records, online threshold);
-* ``no_records``: the same scan with θ₀ above every score (scores, order keys and
-  the accept test run; nothing is appended, no compaction);
-* ``tiles:<spec>``: the no-records scan with other tiles (``BQ:BK:warps:stages``).
+* ``dense`` / ``dosa``: ``dense_topk`` and ``dosa_topk`` with the default tiles;
+* ``no_records[@layout:BQ:BK:warps:stages]``: the dense scan with θ₀ above every
+  score (scores, order keys and the accept test run; nothing is appended, no
+  compaction), with the default or the given tiles;
+* ``dosa@spec`` / ``dense@spec`` (``--dosa``, :func:`benchmarks.run.parse_tiles`
+  specs), each pair first checked bitwise (``check@spec``), and with ``--stages``
+  DoSA cut after its seeds, screen and refine.
 
 With ``--ncu`` the script runs each jitted function once (for Nsight Compute;
 it then times nothing). Output: a JSON line per measurement on stdout.
@@ -35,7 +38,6 @@ def main(argv=None):
     from benchmarks.shapes import Shape
     from dosa_jax.config import Config
     from pallas_kernels import dense as dm
-    from pallas_kernels.common import THETA_NONE
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, default=4096)

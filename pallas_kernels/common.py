@@ -109,6 +109,18 @@ def as_mma_operand(x, fp8_mma: bool = False):
     return x if jnp.dtype(x.dtype) == want else x.astype(want)
 
 
+def keys_rows_dot(k_pieces, q_pieces, pairs, fp8_mma: bool = False):
+    """Σ over the piece pairs (q piece a, k piece b) of k_b · q_aᵀ, inside a kernel:
+    [BK, D] × [n, D] -> [BK, n] float32, keys as MMA rows (the ``"kh"``/``"kc"`` layouts)."""
+    x = None
+    for a, b in pairs:
+        d = lax.dot_general(as_mma_operand(k_pieces[b], fp8_mma),
+                            as_mma_operand(q_pieces[a], fp8_mma),
+                            (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        x = d if x is None else x + d
+    return x
+
+
 def piece_pairs(n_left: int, n_right: int):
     """(left piece, right piece) products summed by a split dot, in a fixed order."""
     pairs = [(0, 0)]

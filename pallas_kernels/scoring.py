@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import as_mma_operand, pieces_value, piece_pairs
+from pallas_kernels.common import as_mma_operand, keys_rows_dot, pieces_value, piece_pairs
 
 Array = jax.Array
 
@@ -78,21 +78,11 @@ def score_tile(q_pieces, w_rows, k_pieces, scale, *, BQ: int, H: int, pairs,
         qi = lax.broadcasted_iota(jnp.int32, (BQ, bk), 0)
         s = jnp.zeros((BQ, bk), jnp.float32)
         for i in range(BQ):
-            x = None
-            for a, b in pairs:
-                d = lax.dot_general(as_mma_operand(k_pieces[b], fp8_mma),
-                                    as_mma_operand(q_pieces[a][i], fp8_mma),
-                                    (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-                x = d if x is None else x + d                        # [BK, H]
+            x = keys_rows_dot(k_pieces, [qp[i] for qp in q_pieces], pairs, fp8_mma)  # [BK, H]
             si = jnp.sum(jnp.maximum(x, 0.0) * w_rows[i][None, :], axis=1)
             s = jnp.where(qi == i, jnp.broadcast_to(si[None, :], (BQ, bk)), s)
     elif layout == "kc":
-        x = None
-        for a, b in pairs:
-            d = lax.dot_general(as_mma_operand(k_pieces[b], fp8_mma),
-                                as_mma_operand(q_pieces[a], fp8_mma),
-                                (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-            x = d if x is None else x + d                            # [BK, BQ*H]
+        x = keys_rows_dot(k_pieces, q_pieces, pairs, fp8_mma)       # [BK, BQ*H]
         bk = x.shape[0]
         y = jnp.maximum(x, 0.0) * w_rows[None, :]
         s = jnp.sum(y.reshape(bk, BQ, H), axis=2).T                  # [BQ, BK]

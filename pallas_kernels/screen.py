@@ -41,8 +41,8 @@ from jax.experimental import pallas as pl
 from dosa_jax import numerics as nm
 from pallas_kernels import records as rec
 from pallas_kernels.common import (ID_BITS, as_mma_operand, compiler_params, interpret_default,
-                                   next_pow2, pad_axis, piece_pairs, round_up, row_pieces,
-                                   split_key_tiles)
+                                   keys_rows_dot, next_pow2, pad_axis, piece_pairs, round_up,
+                                   row_pieces, split_key_tiles)
 
 Array = jax.Array
 #: Relative upward nudge of the final bound (covers the last roundings: α·v, the sum).
@@ -155,29 +155,18 @@ def bound_tile(r_pieces, row_w, agg_m, k_pieces, knorm, scale, linear, coef, eps
         pos = jnp.zeros((BQs, bk), jnp.float32)
         z = jnp.zeros((BQs, bk), jnp.float32)
         for i in range(BQs):
-            y = None
-            for a, b in pairs:
-                d = lax.dot_general(as_mma_operand(k_pieces[b]), as_mma_operand(r_pieces[a][i]),
-                                    (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-                y = d if y is None else y + d                       # [BK, Rp]
+            y = keys_rows_dot(k_pieces, [rp[i] for rp in r_pieces], pairs)   # [BK, Rp]
             pi = jnp.sum(jnp.maximum(y, 0.0) * row_w[i][None, :], axis=1)
             zi = jnp.sum(y * agg_m[i][None, :], axis=1)
             pos = jnp.where(qi == i, jnp.broadcast_to(pi[None, :], (BQs, bk)), pos)
             z = jnp.where(qi == i, jnp.broadcast_to(zi[None, :], (BQs, bk)), z)
     elif layout == "kc":
-        y = None
-        for a, b in pairs:
-            d = lax.dot_general(as_mma_operand(k_pieces[b]), as_mma_operand(r_pieces[a]),
-                                (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-            y = d if y is None else y + d                           # [BK, BQs*Rp]
+        y = keys_rows_dot(k_pieces, r_pieces, pairs)                  # [BK, BQs*Rp]
         bk = y.shape[0]
         pos = jnp.sum((jnp.maximum(y, 0.0) * row_w[None, :]).reshape(bk, BQs, Rp), axis=2)
         z = jnp.sum((y * agg_m[None, :]).reshape(bk, BQs, Rp), axis=2)   # [BK, BQs]
         if keys_major:   # the bound in the accumulator's orientation (no transpose)
-            neg = jnp.where(linear[None, :] != 0, z, jnp.maximum(z, 0.0))
-            v = (pos - neg) + (knorm[:, None] * coef[None, :] + eps[None, :])
-            v = v * scale[:, None]
-            return v + jnp.abs(v) * UP_NUDGE + UP_FLOOR
+            return _bound_from_sums(pos, z, knorm, scale, linear, coef, eps, keys_major=True)
         pos, z = pos.T, z.T
     else:
         y = None
@@ -188,9 +177,22 @@ def bound_tile(r_pieces, row_w, agg_m, k_pieces, knorm, scale, linear, coef, eps
         bk = y.shape[-1]
         pos = jnp.sum((jnp.maximum(y, 0.0) * row_w[:, None]).reshape(BQs, Rp, bk), axis=1)
         z = jnp.sum((y * agg_m[:, None]).reshape(BQs, Rp, bk), axis=1)
-    neg = jnp.where(linear[:, None] != 0, z, jnp.maximum(z, 0.0))
-    v = (pos - neg) + (knorm[None, :] * coef[:, None] + eps[:, None])
-    v = v * scale[None, :]
+    return _bound_from_sums(pos, z, knorm, scale, linear, coef, eps, keys_major=False)
+
+
+def _along(keys_major: bool):
+    """Broadcasts of per-query and per-key vectors onto a [BQs, BK] tile ([BK, BQs] keys-major)."""
+    if keys_major:
+        return (lambda x: x[None, :]), (lambda x: x[:, None])
+    return (lambda x: x[:, None]), (lambda x: x[None, :])
+
+
+def _bound_from_sums(pos, z, knorm, scale, linear, coef, eps, *, keys_major: bool):
+    """U from the row sums (Eq. 9, 26): α_i (Σ w̃ relu(y) − relu(z) + n_i·coef + ε), nudged up."""
+    per_q, per_k = _along(keys_major)
+    neg = jnp.where(per_q(linear) != 0, z, jnp.maximum(z, 0.0))
+    v = (pos - neg) + (per_k(knorm) * per_q(coef) + per_q(eps))
+    v = v * per_k(scale)
     return v + jnp.abs(v) * UP_NUDGE + UP_FLOOR
 
 
@@ -228,6 +230,7 @@ def _screen_kernel(*refs, Pr: int, Pk: int, BQs: int, Rp: int, BK: int, N: int, 
     qbit = (jnp.int32(1) << (jnp.arange(BQs, dtype=jnp.int32) % GROUP))
     keys_major = keys_major and layout == "kc"
     si_shape = (BK, BQs) if keys_major else (BQs, BK)
+    per_q, per_k = _along(keys_major)
 
     def body(j, carry):
         cnt, qs = carry
@@ -239,15 +242,12 @@ def _screen_kernel(*refs, Pr: int, Pk: int, BQs: int, Rp: int, BK: int, N: int, 
         sc = rec._plgpu().load(sc_ref.at[pl.ds(j * BK, BK)], mask=inb, other=1.0)
         U = bound_tile(rp, rw, am, kp, kn, sc, lin, coef, eps, BQs=BQs, Rp=Rp, pairs=pairs,
                        layout=layout, keys_major=keys_major)
+        vis = (per_k(ids) >= per_q(lo)) & (per_k(ids) < per_q(hi))
+        surv = vis & (~(U < per_q(tau)) | ~per_q(prune))
+        si = surv.astype(jnp.int32)
         if keys_major:   # [BK, BQs]: the query-axis sums stay in the MMA layout's threads
-            vis = (ids[:, None] >= lo[None, :]) & (ids[:, None] < hi[None, :])
-            surv = vis & (~(U < tau[None, :]) | ~prune[None, :])
-            si = surv.astype(jnp.int32)
             bits = jnp.sum((si * qbit[None, :]).reshape(BK, G, GROUP), axis=2).T   # [G, BK]
         else:
-            vis = (ids[None, :] >= lo[:, None]) & (ids[None, :] < hi[:, None])
-            surv = vis & (~(U < tau[:, None]) | ~prune[:, None])
-            si = surv.astype(jnp.int32)
             bits = jnp.sum((si * qbit[:, None]).reshape(G, GROUP, BK), axis=1)
         anyq = bits > 0
         ai = anyq.astype(jnp.int32)

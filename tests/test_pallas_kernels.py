@@ -205,8 +205,9 @@ def _check_unprunable_groups_go_straight_to_dense(inp, cfg):
 
 @pytest.mark.parametrize("tiles", [TILES, TILES_KC], ids=["hk", "kc"])
 def test_dosa_pallas_equals_dense_pallas_bitwise(tiles):
-    """DoSA == dense bitwise (two scoring and screening layouts), vs the twin, the screening bound on every
-    key, τ from the seed kernel; with the hk tiles also groups sent straight to dense."""
+    """DoSA == dense bitwise (two scoring and screening layouts), vs the twin, the screening
+    bound on every key, τ from the seed kernel; with the hk tiles also groups sent straight
+    to dense."""
     inp = synthetic.structured(T=8, N=1500, H=8, D=32, seed=3, key_dtype="float8_e4m3fn",
                                query_dtype="bfloat16")
     cfg = Config(top_k=32, retained_heads=6, seed_size=256, capacity=1024)
