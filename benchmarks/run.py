@@ -164,8 +164,7 @@ def workspace_bytes(det, T, K, BK=64):
     G4 = -(-T // 4)
     surv = G4 * S * det["Cs"] * 4
     records = T * S * C * 8
-    from pallas_kernels.pipeline import seed_capacity
-    seeds = T * capacity_for(K, BK, seed_capacity(K, BK)) * 8 + G4 * det["seeds_list"] * 4
+    seeds = (T + G4) * det["seeds_list"] * 4     # order keys [T, L] and the lists [G4, L]
     return dict(survivor_lists=surv, records=records, seeds=seeds,
                 total=surv + records + seeds)
 

@@ -121,6 +121,13 @@ def keys_rows_dot(k_pieces, q_pieces, pairs, fp8_mma: bool = False):
     return x
 
 
+def unpack_entries(e, valid):
+    """(valid, key id, query mask) of packed list entries ``id | mask << ID_BITS`` (−1: none);
+    ids and masks are 0 on invalid lanes, so gathers by the ids stay in bounds."""
+    valid = valid & (e >= 0)
+    return valid, jnp.where(valid, e & ID_MASK, 0), jnp.where(valid, e >> ID_BITS, 0)
+
+
 def piece_pairs(n_left: int, n_right: int):
     """(left piece, right piece) products summed by a split dot, in a fixed order."""
     pairs = [(0, 0)]

@@ -42,8 +42,9 @@ from pallas_kernels import numerics as knum
 from pallas_kernels import records as rec
 from pallas_kernels.common import MAX_KEYS, THETA_NONE, next_pow2, round_up
 from pallas_kernels.dense import Tiles, prepare_operands
-from pallas_kernels.refine import group_seed_lists, refine
+from pallas_kernels.refine import refine
 from pallas_kernels.screen import prepare_screen, screen, split_aggregate_bf16
+from pallas_kernels.seeds import group_seed_lists, seed_threshold
 
 #: Survivor-list budget (entries, int32) over all groups and splits: 1 GiB.
 SURVIVOR_BUDGET = 1 << 28
@@ -96,11 +97,6 @@ def seed_sizes(config):
     elif config.seed_strategy == "strided":
         a, b = 0, 0
     return S0, a, b
-
-
-def seed_capacity(K: int, BK: int) -> int:
-    """Record slots of the seed scan (only τ is kept from it): K + 8 tiles."""
-    return K + 8 * BK
 
 
 def screen_friendly(config, H: int, A: int = 1):
@@ -237,14 +233,11 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     # 1. seeds: τ = K-th largest seed score (Eq. 2), scored by the shared routine
     S0, a, b = seed_sizes(config)
     lists, lcount, n_seeds = group_seed_lists(lo, hi, Tpad4, S0, a, b, tiles.BK)
-    seeds = refine(ops, lists, lcount, jnp.full((T,), THETA_NONE, jnp.int32), K,
-                   capacity=seed_capacity(K, tiles.BK), tiles=tiles, final_threshold=True,
-                   interpret=interpret)
-    tau_key = seeds.theta[:, 0]
-    have_tau = seeds.count[:, 0] >= K
+    tau_key, n_eligible = seed_threshold(ops, lists, lcount, K, tiles=tiles, interpret=interpret)
+    have_tau = n_eligible >= K
     tau = jnp.where(have_tau, _score_key(tau_key), -jnp.inf)
     if stop_after == "seeds":
-        return dict(tau=tau, count=seeds.count[:T])
+        return dict(tau=tau, count=n_eligible)
 
     # 2. plan (query side) + this backend's arithmetic allowance
     knorm = enc.key_norm_upper(k)
@@ -332,7 +325,7 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
                   tau_final=jnp.where(kth, sc[:, K - 1], -jnp.inf))
     if return_details:
         return idx, sc, stats, dict(plan=plan, coef=coef, eps=eps, surv=surv, cand=cand,
-                                    seeds=seeds, Cs=Cs, splits=S, direct=direct,
+                                    tau_key=tau_key, Cs=Cs, splits=S, direct=direct,
                                     estimated_survival=est, aggregate_rows=agg_rows,
                                     single_piece=single)
     return idx, sc, stats

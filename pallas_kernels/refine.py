@@ -1,4 +1,4 @@
-"""Refinement of survivors and seed scoring (Pallas Triton), and the jnp twin.
+"""Refinement of survivors (Pallas Triton), and the jnp twin.
 
 A program takes one refinement group (4 consecutive queries, paper Sec. 3)
 and one split of its survivor list (``id | mask << 27``, ascending ids),
@@ -10,10 +10,8 @@ mask bit is set, records with ``s ≥ τ`` (order key ≥ θ₀) to that query's
 buffer with the online threshold of :mod:`pallas_kernels.records`. One key
 load serves the 4 queries whenever the key survived for any of them.
 
-The same kernel scores the seeds (``θ₀`` = none, ``final_threshold``): the
-group's seed list is shared, the mask says which queries see each seed, and
-the K-th largest seed score of each query (τ, Eq. 2) comes out as the final
-threshold.
+The seeds (τ, Eq. 2) are scored by :mod:`pallas_kernels.seeds` with the same
+routine and list format, without record buffers.
 
 Backend: Triton (gather by integer arrays, ``cumsum``, masked stores).
 """
@@ -28,16 +26,36 @@ from jax.experimental import pallas as pl
 
 from dosa_jax.selection import INT32_MIN
 from pallas_kernels import records as rec
-from pallas_kernels.common import (ID_BITS, ID_MASK, THETA_NONE, compiler_params,
-                                   interpret_default, kernel_order_key, round_up)
+from pallas_kernels.common import (THETA_NONE, compiler_params, interpret_default,
+                                   kernel_order_key, unpack_entries)
 from pallas_kernels.dense import Candidates, Operands, Tiles, capacity_for
 from pallas_kernels.scoring import load_query_tile, score_tile
 
 Array = jax.Array
 
 
+def score_list_tile(sv_ref, start, slot, n_list, k_refs, sc_ref, qp, wv, *, tiles: Tiles, H: int,
+                    pairs):
+    """Inside a kernel: gather the keys of list slots ``slot`` [BK] (entries at ``start + slot``,
+    valid below ``n_list``) and score them for the group's BQ queries with the shared routine.
+
+    Returns (key ids [BK], mine [BQ, BK]: the query sees the key, scores [BQ, BK]).
+    """
+    inl = slot < n_list
+    e = rec._plgpu().load(sv_ref.at[rec.masked_index(start + slot, inl, sv_ref.shape[0])],
+                          mask=inl, other=-1)
+    valid, kid, bits = unpack_entries(e, inl)
+    dcol = jnp.arange(k_refs[0].shape[1], dtype=jnp.int32)
+    kp = [k_ref[kid[:, None], dcol[None, :]] for k_ref in k_refs]
+    scale = rec._plgpu().load(sc_ref.at[kid], mask=valid, other=1.0)
+    sc = score_tile(qp, wv, kp, scale, BQ=tiles.BQ, H=H, pairs=pairs, layout=tiles.layout)
+    qsel = jnp.arange(tiles.BQ, dtype=jnp.int32)
+    mine = (((bits[None, :] >> qsel[:, None]) & 1) != 0) & valid[None, :]
+    return kid, mine, sc
+
+
 def _refine_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, H: int, S: int, Cl: int, C: int,
-                   K: int, pairs, final_threshold: bool, interpret: bool):
+                   K: int, pairs, interpret: bool):
     q_refs = refs[:Pq]
     w_ref, th_ref, sv_ref, sn_ref = refs[Pq:Pq + 4]
     k_refs = refs[Pq + 4:Pq + 4 + Pk]
@@ -47,7 +65,6 @@ def _refine_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, H: int, S: int, Cl: in
     g = pl.program_id(0)
     s = pl.program_id(1)
     size = rk_ref.shape[0]
-    lsize = sv_ref.shape[0]
     qp, wv = load_query_tile(q_refs, w_ref, g, BQ=BQ, H=H, layout=tiles.layout)
     theta0 = th_ref[pl.ds(g * BQ, BQ)]
     t_ids = g * BQ + jnp.arange(BQ, dtype=jnp.int32)
@@ -55,26 +72,13 @@ def _refine_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, H: int, S: int, Cl: in
     lbase = (g * S + s) * Cl
     n_list = jnp.minimum(sn_ref[pl.ds(g * S + s, 1)], Cl)   # [1]
     lanes = jnp.arange(BK, dtype=jnp.int32)
-    Dp = q_refs[0].shape[1]
-    dcol = jnp.arange(Dp, dtype=jnp.int32)
-    qsel = jnp.arange(BQ, dtype=jnp.int32)
     nchunk = (jnp.max(n_list) + BK - 1) // BK
 
     def tile(c, state):
-        slot = c * BK + lanes
-        valid = slot < n_list
-        e = rec._plgpu().load(sv_ref.at[rec.masked_index(lbase + slot, valid, lsize)],
-                              mask=valid, other=-1)
-        valid = valid & (e >= 0)
-        kid = jnp.where(valid, e & ID_MASK, 0)
-        bits = jnp.where(valid, e >> ID_BITS, 0)
-        # kid is clamped to 0 on invalid lanes: every gather address is in bounds
-        kp = [k_ref[kid[:, None], dcol[None, :]] for k_ref in k_refs]
-        scale = rec._plgpu().load(sc_ref.at[kid], mask=valid, other=1.0)
-        sc = score_tile(qp, wv, kp, scale, BQ=BQ, H=H, pairs=pairs, layout=tiles.layout)
+        kid, mine, sc = score_list_tile(sv_ref, lbase, c * BK + lanes, n_list, k_refs, sc_ref,
+                                        qp, wv, tiles=tiles, H=H, pairs=pairs)
         key = kernel_order_key(sc)
-        mine = ((bits[None, :] >> qsel[:, None]) & 1) != 0
-        elig = mine & valid[None, :] & (key != INT32_MIN)
+        elig = mine & (key != INT32_MIN)
         idb = jnp.broadcast_to(kid[None, :], (BQ, BK))
         count, theta, strict = state
         count, n = rec.append(rk_ref, ri_ref, base, count, rec.theta_accept(theta, strict),
@@ -84,26 +88,21 @@ def _refine_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, H: int, S: int, Cl: in
     state, appended = rec.scan_tiles(jnp.int32(0), nchunk, tile, theta0, rk_ref, ri_ref, base, K,
                                      C=C, BK=BK, CH=CH, size=size, interpret=interpret)
     count, theta, _ = state
-    if final_threshold:
-        rec.barrier(interpret)
-        t = rec.kth_largest(rk_ref, base, count, K, CH=CH, size=size)
-        theta = jnp.where(count >= K, jnp.maximum(theta, t), theta)
     oidx = t_ids * S + s
     cnt_ref[oidx] = count
     tho_ref[oidx] = theta
     app_ref[oidx] = appended
 
 
-@functools.partial(jax.jit, static_argnames=("K", "capacity", "tiles", "final_threshold",
-                                             "interpret", "T", "H", "pairs"))
+@functools.partial(jax.jit, static_argnames=("K", "capacity", "tiles", "interpret", "T", "H", "pairs"))
 def _refine_call(q, w, theta0, lists, list_count, k, scale, *, K, capacity, tiles,
-                 final_threshold, interpret, T, H, pairs):
+                 interpret, T, H, pairs):
     G4, S, Cl = lists.shape
     Tpad = G4 * tiles.BQ
     C = capacity
     size = Tpad * S * C
     kern = functools.partial(_refine_kernel, Pq=q.shape[0], Pk=k.shape[0], tiles=tiles, H=H,
-                             S=S, Cl=Cl, C=C, K=K, pairs=pairs, final_threshold=final_threshold,
+                             S=S, Cl=Cl, C=C, K=K, pairs=pairs,
                              interpret=interpret)
     i32 = jnp.int32
     rk, ri, cnt, th, app = pl.pallas_call(
@@ -120,8 +119,7 @@ def _refine_call(q, w, theta0, lists, list_count, k, scale, *, K, capacity, tile
 
 
 def refine(ops: Operands, lists: Array, list_count: Array, theta0: Array, K: int, *,
-           capacity=None, tiles: Tiles = Tiles(), final_threshold: bool = False,
-           interpret=None) -> Candidates:
+           capacity=None, tiles: Tiles = Tiles(), interpret=None) -> Candidates:
     """Score the keys of packed lists [G4, S, Cl] for their queries; keep order key ≥ θ₀.
 
     ``ops`` must be prepared with ``tiles.BQ == 4`` (the group size of the lists).
@@ -137,63 +135,8 @@ def refine(ops: Operands, lists: Array, list_count: Array, theta0: Array, K: int
     theta0 = jnp.pad(theta0.astype(jnp.int32), (0, Tpad - T), constant_values=THETA_NONE)
     C = capacity_for(K, tiles.BK, capacity)
     return _refine_call(ops.q, ops.w, theta0, lists, list_count, ops.k, ops.scale, K=K,
-                        capacity=C, tiles=tiles, final_threshold=final_threshold,
+                        capacity=C, tiles=tiles,
                         interpret=interpret, T=T, H=ops.H, pairs=ops.pairs)
-
-
-# ------------------------------------------------------------------ seed lists
-
-def group_seed_lists(lo: Array, hi: Array, Tpad: int, size: int, sinks: int, local: int,
-                     block: int):
-    """Shared seed list of each group of 4 queries: sinks, strided middle, local window.
-
-    Every entry is a distinct key in ascending order; its mask marks the queries
-    of the group that see it. A query sees at least ``min(size, |Ω_t|)`` seeds
-    when the group's ranges differ by at most ``64`` keys at either end (causal
-    prefill: 3); otherwise it may see fewer (its τ is then −∞ if < K: no
-    pruning, still exact).
-
-    Returns:
-      (packed [G4, 1, L] int32, count [G4, 1] int32, seeds per query [Tpad] int32).
-    """
-    T = lo.shape[0]
-    lo = jnp.pad(lo, (0, Tpad - T))
-    hi = jnp.pad(hi, (0, Tpad - T))
-    G4 = Tpad // 4
-    lo4, hi4 = lo.reshape(G4, 4), hi.reshape(G4, 4)
-    ne = hi4 > lo4
-    lo_min = jnp.min(jnp.where(ne, lo4, 2 ** 31 - 1), axis=1)
-    hi_max = jnp.max(jnp.where(ne, hi4, 0), axis=1)
-    hi_min = jnp.min(jnp.where(ne, hi4, 2 ** 31 - 1), axis=1)
-    spread = 64
-    a = min(sinks, size)
-    b = min(local, size - a)
-    c = size - a - b
-    L = round_up(size + spread, block)
-    j = jnp.arange(L, dtype=jnp.int32)[None, :]
-    small = (hi_max - lo_min) <= L
-    loc_start = jnp.maximum(hi_min - b, hi_max - b - spread)
-    mid_lo = lo_min + a
-    mid_n = jnp.maximum(loc_start - mid_lo, 0)
-    stride = jnp.maximum(mid_n // max(c, 1), 1)
-    c_eff = jnp.minimum(c, mid_n)
-    n_loc = hi_max - loc_start
-    ids = jnp.where(j < a, lo_min[:, None] + j,
-                    jnp.where(j < a + c_eff[:, None], mid_lo[:, None] + (j - a) * stride[:, None],
-                              loc_start[:, None] + (j - a - c_eff[:, None])))
-    ok = j < (a + c_eff + n_loc)[:, None]
-    ids = jnp.where(small[:, None], lo_min[:, None] + j, ids)
-    ok = jnp.where(small[:, None], j < (hi_max - lo_min)[:, None], ok)
-    ok = ok & jnp.any(ne, axis=1)[:, None]
-    vis = (ids[:, None, :] >= lo4[:, :, None]) & (ids[:, None, :] < hi4[:, :, None]) & ok[:, None]
-    bits = jnp.sum(vis.astype(jnp.int32) << jnp.arange(4, dtype=jnp.int32)[None, :, None], axis=1)
-    keep = ok & (bits > 0)
-    # compact kept entries to the front (keeps ascending order)
-    order = jnp.argsort(~keep, axis=1, stable=True)
-    packed = jnp.take_along_axis(jnp.where(keep, ids | (bits << ID_BITS), -1), order, axis=1)
-    count = jnp.sum(keep, axis=1).astype(jnp.int32)
-    seeds = jnp.sum(vis, axis=2).reshape(Tpad).astype(jnp.int32)
-    return packed[:, None, :], count[:, None], seeds
 
 
 def refine_reference(scores: Array, member: Array, theta0_scores: Array, K: int):

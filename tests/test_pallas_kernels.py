@@ -225,8 +225,8 @@ def test_dosa_pallas_equals_dense_pallas_bitwise(tiles):
     _assert_screening_bound_holds_on_every_key(inp, det)      # one-piece screen rows (bf16 q)
     if tiles == TILES:
         _check_unprunable_groups_go_straight_to_dense(inp, cfg)
-    # τ from the seed kernel (in-kernel K-th largest search) = the twin's K-th seed score
-    from pallas_kernels.refine import group_seed_lists
+    # τ from the seed kernel and the radix search = the twin's K-th seed score
+    from pallas_kernels.seeds import group_seed_lists
     from pallas_kernels.scoring import score_reference
     lists, cnt, _ = group_seed_lists(inp.lo, inp.hi, 8, *pipeline.seed_sizes(cfg), TILES.BK)
     member = np.zeros((8, 1500), bool)
@@ -237,8 +237,69 @@ def test_dosa_pallas_equals_dense_pallas_bitwise(tiles):
     twin = score_reference(mma_pieces(inp.q), inp.w, mma_pieces(inp.k), inp.k_scale)
     tau_twin = records.kth_order_key_reference(twin, jnp.asarray(member), cfg.top_k)
     from dosa_jax.selection import key_to_score
-    np.testing.assert_allclose(np.asarray(key_to_score(det["seeds"].theta[:, 0])),
+    np.testing.assert_allclose(np.asarray(key_to_score(det["tau_key"])),
                                np.asarray(key_to_score(tau_twin)), rtol=1e-5)
+
+
+def test_seed_scores_equal_dense_kernel_scores_bitwise():
+    """Every seed score is the dense kernel's score of that (query, key), bit for bit (so τ is
+    the K-th largest of the scores the screen and refinement are judged by); the twin agrees
+    to the scorer bound; slots a query does not see hold INT32_MIN."""
+    from dosa_jax.selection import order_key
+    from pallas_kernels import seeds
+    inp = synthetic.gaussian(T=7, N=300, H=4, D=32, seed=3, key_dtype="float8_e4m3fn",
+                             query_dtype="bfloat16")
+    lo = jnp.asarray([0, 0, 40, 0, 0, 0, 0], jnp.int32)        # group 0 sees different ranges
+    hi = jnp.asarray([300, 299, 298, 0, 300, 250, 300], jnp.int32)
+    ops = dense.prepare_operands(inp.q, inp.w, inp.k, inp.k_scale, 4, layout=TILES.layout)
+    lists, cnt, _ = seeds.group_seed_lists(lo, hi, 8, 96, 8, 48, TILES.BK)
+    got = np.asarray(seeds.seed_scores(ops, lists, cnt, tiles=TILES))
+    # the dense kernel with K = N returns every visible key's kernel score
+    didx, dsc = dense.dense_topk(inp.q, inp.k, inp.w, inp.k_scale, lo, hi, Config(top_k=300),
+                                 tiles=TILES, splits=2)
+    full = np.full((7, 300), np.iinfo(np.int32).min, np.int32)
+    for t in range(7):
+        ok = np.asarray(didx[t]) >= 0
+        full[t, np.asarray(didx[t])[ok]] = np.asarray(order_key(dsc[t]))[ok]
+    e = np.asarray(lists)[:, 0, :]
+    kid = e & ((1 << 27) - 1)
+    seen = 0
+    for t in range(7):
+        g, b = divmod(t, 4)
+        for j in range(e.shape[1]):
+            sees = j < int(cnt[g, 0]) and e[g, j] >= 0 and (e[g, j] >> 27) >> b & 1
+            want = full[t, kid[g, j]] if sees else np.iinfo(np.int32).min
+            assert got[t, j] == want, (t, j)
+            seen += bool(sees)
+    assert seen > 400
+    twin = seeds.seed_scores_reference(mma_pieces(inp.q), inp.w, mma_pieces(inp.k), inp.k_scale,
+                                       lists, cnt)
+    from dosa_jax.selection import key_to_score
+    np.testing.assert_allclose(np.asarray(key_to_score(jnp.asarray(got))),
+                               np.asarray(key_to_score(twin)), rtol=1e-5, atol=1e-6)
+
+
+def test_kth_largest_keys_radix_search():
+    """The radix descent returns the K-th largest eligible order key (ties, extremes, INT32_MIN
+    entries, rows with fewer than K eligible -> THETA_NONE), for several digit widths."""
+    from pallas_kernels.seeds import kth_largest_keys
+    rng = np.random.default_rng(0)
+    lo32, hi32 = np.iinfo(np.int32).min, np.iinfo(np.int32).max
+    rows = [rng.integers(lo32, hi32, 64, dtype=np.int64),
+            np.full(64, 7), np.r_[np.full(60, lo32), np.arange(4)],
+            np.r_[np.full(32, hi32), np.full(32, lo32 + 1)],
+            rng.integers(-3, 3, 64), np.full(64, lo32),
+            np.r_[rng.integers(lo32, hi32, 40, dtype=np.int64), np.full(24, lo32)]]
+    keys = jnp.asarray(np.stack(rows).astype(np.int32))
+    for k in (1, 5, 32, 40, 64):
+        want = []
+        for r in np.asarray(keys):
+            el = np.sort(r[r != lo32])[::-1]
+            want.append(el[k - 1] if len(el) >= k else THETA_NONE)
+        for bits in (1, 4, 8):
+            kth, count = kth_largest_keys(keys, k, bits=bits)
+            np.testing.assert_array_equal(np.asarray(kth), np.asarray(want, np.int32))
+            np.testing.assert_array_equal(np.asarray(count), np.sum(np.asarray(keys) != lo32, 1))
 
 
 def test_dosa_overflow_recovers_exactly():

@@ -1,0 +1,220 @@
+"""The seed threshold τ on the Pallas backend (Eq. 2): group seed lists, a seed-scoring
+kernel, and an exact K-th-largest search — each beside its jnp twin.
+
+τ is the K-th largest score over a set of at least K *distinct visible* keys
+(SPEC §3); any such set is safe, its quality only decides pruning.
+
+1. :func:`group_seed_lists` — one list per refinement group of 4 queries
+   (sinks, a strided middle, the local window; ascending distinct ids), each
+   entry ``id | mask << 27`` with the mask saying which of the 4 queries see it.
+2. :func:`seed_scores` (Pallas Triton) — gathers ``BK`` listed keys at a time,
+   scores them for the 4 queries with *the* scoring routine
+   (:func:`pallas_kernels.scoring.score_tile`, the tile shape of the dense and
+   refinement kernels, so every seed score is bitwise the score those kernels
+   give the same (query, key)) and writes each query's order keys into its own
+   row ``[T, L]`` (``INT32_MIN`` where the query does not see the slot's key or
+   the score is NaN): contiguous stores, no compaction, no threshold.
+3. :func:`kth_largest_keys` (jnp) — per row, the largest order key t with
+   ``#{key ≥ t} ≥ K`` by a 4-bit radix descent (8 passes of 15 counts over the
+   row), i.e. the K-th largest eligible key; ``THETA_NONE`` when fewer than K
+   are eligible (no τ: the query does not prune).
+
+Until session 5 the seeds ran through the refinement kernel's record buffers
+with the online threshold (K + 8·BK slots, a 32-pass binary search per
+compaction): most of the 78 ms the H200 spent on seeds at T = 16K
+(BENCHMARKS.md, session 4) went to those compactions.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from dosa_jax.selection import INT32_MIN, order_key
+from pallas_kernels import records as rec
+from pallas_kernels.common import (ID_BITS, THETA_NONE, cdiv, compiler_params, interpret_default,
+                                   kernel_order_key, round_up, unpack_entries)
+from pallas_kernels.dense import Operands, Tiles
+from pallas_kernels.refine import score_list_tile
+from pallas_kernels.scoring import load_query_tile, score_reference
+
+Array = jax.Array
+
+#: List tiles (of BK keys) scored by one program of the seed kernel.
+SEED_TILES = 8
+#: Bits decided per pass of :func:`kth_largest_keys` (2^bits − 1 counts per pass).
+RADIX_BITS = 4
+
+
+# ------------------------------------------------------------------ seed lists
+
+def group_seed_lists(lo: Array, hi: Array, Tpad: int, size: int, sinks: int, local: int,
+                     block: int):
+    """Shared seed list of each group of 4 queries: sinks, strided middle, local window.
+
+    Every entry is a distinct key in ascending order; its mask marks the queries
+    of the group that see it. A query sees at least ``min(size, |Ω_t|)`` seeds
+    when the group's ranges differ by at most ``64`` keys at either end (causal
+    prefill: 3); otherwise it may see fewer (its τ is then −∞ if < K: no
+    pruning, still exact).
+
+    Returns:
+      (packed [G4, 1, L] int32, count [G4, 1] int32, seeds per query [Tpad] int32).
+    """
+    T = lo.shape[0]
+    lo = jnp.pad(lo, (0, Tpad - T))
+    hi = jnp.pad(hi, (0, Tpad - T))
+    G4 = Tpad // 4
+    lo4, hi4 = lo.reshape(G4, 4), hi.reshape(G4, 4)
+    ne = hi4 > lo4
+    lo_min = jnp.min(jnp.where(ne, lo4, 2 ** 31 - 1), axis=1)
+    hi_max = jnp.max(jnp.where(ne, hi4, 0), axis=1)
+    hi_min = jnp.min(jnp.where(ne, hi4, 2 ** 31 - 1), axis=1)
+    spread = 64
+    a = min(sinks, size)
+    b = min(local, size - a)
+    c = size - a - b
+    L = round_up(size + spread, block)
+    j = jnp.arange(L, dtype=jnp.int32)[None, :]
+    small = (hi_max - lo_min) <= L
+    loc_start = jnp.maximum(hi_min - b, hi_max - b - spread)
+    mid_lo = lo_min + a
+    mid_n = jnp.maximum(loc_start - mid_lo, 0)
+    stride = jnp.maximum(mid_n // max(c, 1), 1)
+    c_eff = jnp.minimum(c, mid_n)
+    n_loc = hi_max - loc_start
+    ids = jnp.where(j < a, lo_min[:, None] + j,
+                    jnp.where(j < a + c_eff[:, None], mid_lo[:, None] + (j - a) * stride[:, None],
+                              loc_start[:, None] + (j - a - c_eff[:, None])))
+    ok = j < (a + c_eff + n_loc)[:, None]
+    ids = jnp.where(small[:, None], lo_min[:, None] + j, ids)
+    ok = jnp.where(small[:, None], j < (hi_max - lo_min)[:, None], ok)
+    ok = ok & jnp.any(ne, axis=1)[:, None]
+    vis = (ids[:, None, :] >= lo4[:, :, None]) & (ids[:, None, :] < hi4[:, :, None]) & ok[:, None]
+    bits = jnp.sum(vis.astype(jnp.int32) << jnp.arange(4, dtype=jnp.int32)[None, :, None], axis=1)
+    keep = ok & (bits > 0)
+    # compact kept entries to the front (keeps ascending order)
+    order = jnp.argsort(~keep, axis=1, stable=True)
+    packed = jnp.take_along_axis(jnp.where(keep, ids | (bits << ID_BITS), -1), order, axis=1)
+    count = jnp.sum(keep, axis=1).astype(jnp.int32)
+    seeds = jnp.sum(vis, axis=2).reshape(Tpad).astype(jnp.int32)
+    return packed[:, None, :], count[:, None], seeds
+
+
+# ------------------------------------------------------------------ seed scores
+
+def _seed_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, H: int, L: int, pairs):
+    q_refs = refs[:Pq]
+    w_ref, sv_ref, sn_ref = refs[Pq:Pq + 3]
+    k_refs = refs[Pq + 3:Pq + 3 + Pk]
+    sc_ref, out_ref = refs[Pq + 3 + Pk:]
+    BQ, BK = tiles.BQ, tiles.BK
+    g = pl.program_id(0)
+    p = pl.program_id(1)
+    size = out_ref.shape[0]
+    qp, wv = load_query_tile(q_refs, w_ref, g, BQ=BQ, H=H, layout=tiles.layout)
+    n_list = jnp.minimum(sn_ref[pl.ds(g, 1)], L)   # [1]
+    lanes = jnp.arange(BK, dtype=jnp.int32)
+    rows = (g * BQ + jnp.arange(BQ, dtype=jnp.int32)) * L   # each query's row of order keys
+    everywhere = jnp.ones((BQ, BK), bool)
+
+    def tile(c, carry):
+        slot = c * BK + lanes
+        _, mine, sc = score_list_tile(sv_ref, g * L, slot, n_list, k_refs, sc_ref, qp, wv,
+                                      tiles=tiles, H=H, pairs=pairs)
+        key = jnp.where(mine, kernel_order_key(sc), INT32_MIN)
+        rec.store_slots(out_ref, rows, slot[None, :], key, everywhere, size)
+        return carry
+
+    start = p * SEED_TILES
+    lax.fori_loop(start, jnp.minimum(start + SEED_TILES, L // BK), tile, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("tiles", "interpret", "T", "H", "pairs"))
+def _seed_call(q, w, lists, list_count, k, scale, *, tiles, interpret, T, H, pairs):
+    G4, _, L = lists.shape
+    Tpad = G4 * tiles.BQ
+    kern = functools.partial(_seed_kernel, Pq=q.shape[0], Pk=k.shape[0], tiles=tiles, H=H, L=L,
+                             pairs=pairs)
+    out = pl.pallas_call(
+        kern, grid=(G4, cdiv(L // tiles.BK, SEED_TILES)),
+        out_shape=jax.ShapeDtypeStruct((Tpad * L,), jnp.int32),
+        compiler_params=compiler_params(tiles.num_warps, tiles.num_stages),
+        interpret=interpret, name="dosa_seed_scores")(
+            *q, w, lists.reshape(-1), list_count.reshape(-1), *k, scale)
+    return out.reshape(Tpad, L)[:T]
+
+
+def seed_scores(ops: Operands, lists: Array, list_count: Array, *, tiles: Tiles = Tiles(),
+                interpret=None) -> Array:
+    """Order keys of every query's seeds: [T, L] int32, slot j of query t's row holding the
+    key of its group's list entry j (``INT32_MIN`` where t does not see it, or NaN).
+
+    ``ops`` must be prepared with ``tiles.BQ == 4`` (the group size of the lists);
+    ``L`` (the lists' last axis) must be a multiple of ``tiles.BK``.
+    """
+    if tiles.BQ != 4:
+        raise ValueError("seed lists serve groups of 4 queries (tiles.BQ must be 4)")
+    if lists.shape[-1] % tiles.BK:
+        raise ValueError(f"internal: seed list length {lists.shape[-1]} is not a multiple of "
+                         f"tiles.BK={tiles.BK}")
+    if interpret is None:
+        interpret = interpret_default()
+    return _seed_call(ops.q, ops.w, lists, list_count, ops.k, ops.scale, tiles=tiles,
+                      interpret=interpret, T=ops.T, H=ops.H, pairs=ops.pairs)
+
+
+def seed_scores_reference(q_pieces: Array, w: Array, k_pieces: Array, scale, lists: Array,
+                          list_count: Array) -> Array:
+    """jnp twin of :func:`seed_scores` (the twin scorer on full arrays; small shapes)."""
+    T = q_pieces.shape[1]
+    G4, _, L = lists.shape
+    s = order_key(score_reference(q_pieces, w, k_pieces, scale))          # [T, N]
+    e = lists[:, 0, :]
+    valid, kid, bits = unpack_entries(e, jnp.arange(L)[None, :] < list_count)
+    t = jnp.arange(G4 * 4)[:T]
+    g = t // 4
+    mine = (((bits[g] >> (t % 4)[:, None]) & 1) != 0) & valid[g]
+    return jnp.where(mine, jnp.take_along_axis(s, kid[g], axis=1), INT32_MIN)
+
+
+# ------------------------------------------------------------------ K-th largest
+
+def kth_largest_keys(keys: Array, k: int, *, bits: int = RADIX_BITS):
+    """K-th largest order key of each row (``INT32_MIN`` entries are not eligible).
+
+    The largest t with ``#{key ≥ t} ≥ k``, decided ``bits`` bits at a time from
+    the top (unsigned order: ``key ^ 0x80000000``): per pass, 2^bits − 1 counts
+    over the row. Same answer as :func:`pallas_kernels.records.kth_largest` and
+    the twin :func:`pallas_kernels.records.kth_order_key_reference`.
+
+    Returns:
+      (K-th largest key [...] int32, ``THETA_NONE`` where fewer than k are eligible;
+      eligible count [...] int32).
+    """
+    if 32 % bits:
+        raise ValueError(f"bits must divide 32, got {bits}")
+    u = lax.bitcast_convert_type(keys.astype(jnp.int32), jnp.uint32) ^ jnp.uint32(0x80000000)
+    t = jnp.zeros(keys.shape[:-1], jnp.uint32)
+    digits = jnp.arange(1, 1 << bits, dtype=jnp.uint32)
+    for p in range(32 - bits, -1, -bits):
+        cand = t[..., None] | (digits << p)                                  # [..., 2^b - 1]
+        n = jnp.sum((u[..., :, None] >= cand[..., None, :]).astype(jnp.int32), axis=-2)
+        t = t | (jnp.sum((n >= k).astype(jnp.uint32), axis=-1) << p)   # counts fall with d
+    kth = lax.bitcast_convert_type(t ^ jnp.uint32(0x80000000), jnp.int32)
+    count = jnp.sum((keys != INT32_MIN).astype(jnp.int32), axis=-1)
+    return jnp.where(count >= k, kth, jnp.int32(THETA_NONE)), count
+
+
+def seed_threshold(ops: Operands, lists: Array, list_count: Array, K: int, *,
+                   tiles: Tiles = Tiles(), interpret=None):
+    """τ of every query as an order key (Eq. 2) and its eligible seed count ([T] each).
+
+    ``THETA_NONE`` (and a count < K) where the query sees fewer than K eligible seeds.
+    """
+    keys = seed_scores(ops, lists, list_count, tiles=tiles, interpret=interpret)
+    return kth_largest_keys(keys, K)
