@@ -86,8 +86,8 @@ def main(argv=None):
         runs.append((f"no_records@{spec}", scan(t, 2 ** 31 - 1)))
     from benchmarks.run import parse_tiles
     for spec in filter(None, a.dosa.split(",")):
-        t, seeds = parse_tiles(spec)
-        c = Config(top_k=shape.K, backend="pallas", seed_size=seeds)
+        t, opts = parse_tiles(spec)
+        c = opts.config(shape.K)
         fd = jax.jit(lambda *x, t=t, c=c: pipeline.dosa_topk(*x, c, tiles=t)[:2])
         fe = jax.jit(lambda *x, t=t, c=c: pipeline.dense_topk(*x, c, tiles=t))
         try:

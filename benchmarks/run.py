@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 import traceback
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -169,16 +170,32 @@ def workspace_bytes(det, T, K, BK=64):
                 total=surv + records + seeds)
 
 
+class DosaOptions(NamedTuple):
+    """The DoSA Config fields a benchmark spec sets: seeds per query, anchor stride."""
+
+    seeds: int = BENCH_SEEDS
+    anchor: int = 0
+
+    def config(self, K: int):
+        from dosa_jax.config import Config
+        return Config(top_k=K, backend="pallas", seed_size=self.seeds, anchor_stride=self.anchor)
+
+    def __str__(self):
+        return f"{self.seeds}/{self.anchor}" if self.anchor else str(self.seeds)
+
+
 def parse_tiles(spec):
     """``layout:BK:warps:stages[:screen_layout:screen_bq:screen_warps[:keys_major[:screen_bk]]]``
-    ``[/seeds]``
-    -> (Tiles, seeds).
+    ``[/seeds[/anchor_stride]]``
+    -> (Tiles, DosaOptions).
 
-    E.g. ``kh:128:4:3:kh:8:4/8192``; BQ is 4 (the refinement group); '' -> defaults.
+    E.g. ``kh:128:4:3:kh:8:4/8192``, ``/8192/64`` (default tiles, 8192 seeds, anchors every
+    64 queries); BQ is 4 (the refinement group); '' -> defaults.
     """
     from pallas_kernels import dense as dense_mod
-    spec, _, seeds = spec.partition("/")
-    seeds = int(seeds) if seeds else BENCH_SEEDS
+    spec, _, opts = spec.partition("/")
+    seeds, _, anchor = opts.partition("/")
+    seeds = DosaOptions(int(seeds) if seeds else BENCH_SEEDS, int(anchor) if anchor else 0)
     if not spec:
         return dense_mod.Tiles(), seeds
     f = spec.split(":")
@@ -221,7 +238,7 @@ def shape_section(res, shape, data, iters, with_xla=True, tiles_spec="", stages=
     jax.block_until_ready((q, k, w, sc))
     out["input_s"] = time.time() - t0
     K = shape.K
-    cfg = Config(top_k=K, backend="pallas", seed_size=seeds)
+    cfg = seeds.config(K)
     visible = int(np.sum(np.asarray(hi, np.int64) - np.asarray(lo, np.int64)))
     flops = 2.0 * shape.H * shape.D * visible
     out["flops"] = flops
@@ -260,7 +277,8 @@ def shape_section(res, shape, data, iters, with_xla=True, tiles_spec="", stages=
     S = dense_mod.default_splits(Tw, shape.N, 4, tiles.BK)
     out["workspace"] = workspace_bytes(      # one wave's lists, records and seed lists
         dict(splits=S, Cs=pipeline.survivor_capacity(shape.N, Tw, S, K),
-             seeds_list=-(-(cfg.seeds() + 64) // 64) * 64), Tw, K)
+             seeds_list=-(-(cfg.seeds() + 64) // 64) * 64
+             + (-(-K // 64) * 64 if cfg.anchors(Tw) else 0)), Tw, K)
     try:  # what XLA allocates for the DoSA call beyond inputs and outputs (measured, not computed)
         ma = f_dosa.lower(*args).compile().memory_analysis()
         out["workspace_xla_temp_bytes"] = int(ma.temp_size_in_bytes)
@@ -360,7 +378,7 @@ def dosa_sweep_section(res, shape, data, iters, specs):
     for spec in specs:
         tiles, seeds = parse_tiles(spec)
         name = tiles_name(tiles, seeds)
-        cfg = Config(top_k=shape.K, backend="pallas", seed_size=seeds)
+        cfg = seeds.config(shape.K)
         try:
             score_tiles = tiles._replace(screen_layout="hk", screen_bq=0, screen_warps=4,
                                          screen_keys_major=True, screen_bk=0)

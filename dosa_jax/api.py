@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from dosa_jax.config import Config
-from dosa_jax.dense import dense_topk_reference, score_matrix
+from dosa_jax.dense import anchor_hint, dense_topk_reference, score_matrix
 from dosa_jax.inputs import check_inputs
 from dosa_jax.pipeline import dosa_topk_reference
 from dosa_jax import selection
@@ -92,10 +92,12 @@ def topk(q, k, w, top_k=None, k_scale=None, lo=None, hi=None, config: Optional[C
         if not jnp.issubdtype(hint.dtype, jnp.integer):
             raise TypeError(f"hint must be an integer array, got {hint.dtype}")
     if resolve_backend(config) == "pallas":
-        if hint is not None:
-            raise NotImplementedError("hint is supported by the reference backend only")
-        idx, sc, stats = _pallas().dosa_topk(q, k, w, k_scale, lo, hi, config)
+        idx, sc, stats = _pallas().dosa_topk(q, k, w, k_scale, lo, hi, config, hint=hint)
     else:
+        anchors = anchor_hint(q, k, w, k_scale, lo, hi, config)
+        if anchors is not None:
+            hint = anchors if hint is None else jnp.concatenate(
+                [anchors, hint.astype(jnp.int32)], axis=1)
         idx, sc, stats = dosa_topk_reference(q, k, w, k_scale, lo, hi, config, hint)
     return TopKResult(idx, sc, stats)
 

@@ -46,6 +46,12 @@ class Config:
       guided_witnesses: if > 0, that many extra witnesses for τ: the keys with the
         largest certificate U^num among a strided sample of ``guided_sample`` keys,
         scored in full (helps where the local window is not where the winners are).
+      anchor_stride: if > 0 (and T ≥ 4·anchor_stride), every ``anchor_stride``-th
+        query (an *anchor*: queries 0, s, 2s, …) is answered first by a dense scan,
+        and its exact Top-K ids join the witnesses for τ of the following
+        ``anchor_stride`` queries (SPEC §3: a neighbouring query's selection,
+        rescored for the current query). Neighbouring queries share most winners,
+        so τ rises towards τ*; any ids are safe (distinct visible keys only count).
       positive_residual: ``triangle`` (Eq. 6), ``joint`` (Eq. 7), ``grouped``
         (App. A.1) or ``best`` (the minimum of them).
       residual_groups: coordinate groups for ``grouped``/``best``.
@@ -76,6 +82,7 @@ class Config:
     budget_sample: int = 256
     guided_witnesses: int = 0
     guided_sample: int = 8192
+    anchor_stride: int = 0
     positive_residual: str = "best"
     residual_groups: int = 4
     positive_projection: bool = True
@@ -89,6 +96,11 @@ class Config:
     screen_unit_roundoff: float = 2.0 ** -24
     raise_threshold: bool = True
     backend: str = "reference"
+
+    def anchors(self, T: int) -> int:
+        """Anchor stride in effect for T queries (0: no anchors)."""
+        s = self.anchor_stride
+        return s if s and T >= 4 * s else 0
 
     def __post_init__(self):
         def bad(name, why):
@@ -108,7 +120,7 @@ class Config:
             bad("seed_size", "must be None or an int >= 1")
         if not isinstance(self.budget_sample, int) or self.budget_sample < 1:
             bad("budget_sample", "must be an int >= 1")
-        for name in ("guided_witnesses", "guided_sample"):
+        for name in ("guided_witnesses", "guided_sample", "anchor_stride"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0 or (name == "guided_sample" and v < 1):
                 bad(name, "must be a non-negative int (guided_sample >= 1)")

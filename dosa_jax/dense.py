@@ -44,6 +44,22 @@ def dense_topk_reference(q, k, w, k_scale, lo, hi, config):
     return map_query_tiles(tile, q, w, lo, hi, config.query_tile)
 
 
+def anchor_hint(q, k, w, k_scale, lo, hi, config):
+    """Witness ids [T, K] from anchor queries (``Config.anchor_stride``), or None.
+
+    Queries 0, s, 2s, … are answered by :func:`dense_topk_reference`; each query
+    takes the Top-K ids of the last anchor at or before it (SPEC §3: a
+    neighbouring query's selection, rescored for the current query by the caller).
+    """
+    T = q.shape[0]
+    s = config.anchors(T)
+    if not s:
+        return None
+    a = slice(0, None, s)
+    idx, _ = dense_topk_reference(q[a], k, w[a], k_scale, lo[a], hi[a], config)
+    return jnp.repeat(idx, s, axis=0)[:T]
+
+
 def score_matrix(q, k, w, k_scale, lo, hi, block: int, tile: int):
     """[T, N] canonical scores; keys outside [lo, hi) are −inf."""
     N = k.shape[0]

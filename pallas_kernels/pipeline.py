@@ -44,7 +44,7 @@ from pallas_kernels.common import MAX_KEYS, THETA_NONE, next_pow2, round_up
 from pallas_kernels.dense import Tiles, prepare_operands
 from pallas_kernels.refine import refine
 from pallas_kernels.screen import prepare_screen, screen, split_aggregate_bf16
-from pallas_kernels.seeds import group_seed_lists, seed_threshold
+from pallas_kernels.seeds import group_seed_lists, group_witnesses, seed_threshold
 
 #: Survivor-list budget (entries, int32) over all groups and splits: 1 GiB.
 SURVIVOR_BUDGET = 1 << 28
@@ -169,12 +169,17 @@ def screen_friendly_budget(r: int, A: int, H: int) -> int:
 
 
 def dosa_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), splits=None,
-              interpret=None, return_details: bool = False, wave=None, stop_after=None):
+              interpret=None, return_details: bool = False, wave=None, stop_after=None,
+              hint=None):
     """Exact DoSA Top-K on the Pallas kernels (validated inputs, as ``dosa_jax.topk``).
 
     The queries run in waves of ``wave`` (default :func:`wave_size`): the
     survivor lists, records and plan of one wave are live at a time, which bounds
     the workspace at long context and keeps the lists large enough not to overflow.
+
+    ``hint`` [T, M]: extra witness ids for τ (``dosa_jax.topk``); with
+    ``config.anchor_stride`` each wave also answers its anchor queries densely first
+    and their Top-K ids join the witnesses (:func:`anchor_topk`).
 
     ``stop_after`` (``"seeds"``, ``"screen"`` or ``"refine"``) returns the
     intermediate arrays of that stage instead of the answer: the benchmark times
@@ -186,6 +191,9 @@ def dosa_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), split
     N = k.shape[0]
     _check_size(N)
     dense_mod.check_tiles(tiles)
+    if config.guided_witnesses:
+        raise NotImplementedError("Config.guided_witnesses is implemented by the reference backend "
+                                  "only; on backend='pallas' use anchor_stride or hint")
     if tiles.BQ != 4:
         raise ValueError(f"DoSA refines groups of 4 queries: tiles.BQ must be 4, got {tiles.BQ}")
     Tw = wave_size(T, N) if wave is None else int(min(max(wave, 4), round_up(T, 4)))
@@ -196,25 +204,37 @@ def dosa_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), split
             raise ValueError("return_details needs a single wave (wave >= T)")
         return _dosa_wave(q, k, w, k_scale, lo, hi, config, tiles=tiles, splits=splits,
                           interpret=interpret, return_details=return_details,
-                          stop_after=stop_after)
+                          stop_after=stop_after, hint=hint)
     n = -(-T // Tw)
     pad = n * Tw - T
     padq = lambda a: jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1))
     # padded queries see nothing (empty range): they are answered and dropped
     waves = (padq(q).reshape((n, Tw) + q.shape[1:]), padq(w).reshape((n, Tw) + w.shape[1:]),
-             padq(lo.astype(jnp.int32)).reshape(n, Tw), padq(hi.astype(jnp.int32)).reshape(n, Tw))
+             padq(lo.astype(jnp.int32)).reshape(n, Tw), padq(hi.astype(jnp.int32)).reshape(n, Tw),
+             None if hint is None else padq(hint.astype(jnp.int32)).reshape(n, Tw, -1))
 
     def one(args):
-        qw, ww, low, hiw = args
+        qw, ww, low, hiw, hw = args
         return _dosa_wave(qw, k, ww, k_scale, low, hiw, config, tiles=tiles, splits=splits,
-                          interpret=interpret, stop_after=stop_after)
+                          interpret=interpret, stop_after=stop_after, hint=hw)
 
     out = lax.map(one, waves)
     return jax.tree_util.tree_map(lambda a: a.reshape((n * Tw,) + a.shape[2:])[:T], out)
 
 
+def anchor_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, interpret=None):
+    """Exact Top-K ids [A, K] of the anchor queries 0, s, 2s, … (s = ``config.anchors(T)``)
+    by the dense kernel, or None when anchors are off for T queries."""
+    s = config.anchors(q.shape[0])
+    if not s:
+        return None
+    a = slice(0, None, s)
+    return dense_mod.dense_topk(q[a], k, w[a], k_scale, lo[a], hi[a], config, tiles=tiles,
+                                interpret=interpret)[0]
+
+
 def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interpret,
-               return_details: bool = False, stop_after=None):
+               return_details: bool = False, stop_after=None, hint=None):
     """One wave of :func:`dosa_topk` (all of its queries' lists live at once)."""
     K = config.top_k
     T, H, D = q.shape
@@ -232,7 +252,9 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
 
     # 1. seeds: τ = K-th largest seed score (Eq. 2), scored by the shared routine
     S0, a, b = seed_sizes(config)
-    lists, lcount, n_seeds = group_seed_lists(lo, hi, Tpad4, S0, a, b, tiles.BK)
+    anchors = anchor_topk(q, k, w, k_scale, lo, hi, config, tiles=tiles, interpret=interpret)
+    witnesses = group_witnesses(Tpad4, hint, anchors, config.anchors(T))
+    lists, lcount, n_seeds = group_seed_lists(lo, hi, Tpad4, S0, a, b, tiles.BK, witnesses)
     tau_key, n_eligible = seed_threshold(ops, lists, lcount, K, tiles=tiles, interpret=interpret)
     have_tau = n_eligible >= K
     tau = jnp.where(have_tau, _score_key(tau_key), -jnp.inf)

@@ -53,17 +53,26 @@ RADIX_BITS = 4
 # ------------------------------------------------------------------ seed lists
 
 def group_seed_lists(lo: Array, hi: Array, Tpad: int, size: int, sinks: int, local: int,
-                     block: int):
-    """Shared seed list of each group of 4 queries: sinks, strided middle, local window.
+                     block: int, witnesses=None):
+    """Shared seed list of each group of 4 queries: sinks, strided middle, local window,
+    then the group's extra witnesses.
 
-    Every entry is a distinct key in ascending order; its mask marks the queries
-    of the group that see it. A query sees at least ``min(size, |Ω_t|)`` seeds
-    when the group's ranges differ by at most ``64`` keys at either end (causal
-    prefill: 3); otherwise it may see fewer (its τ is then −∞ if < K: no
-    pruning, still exact).
+    The layout's entries are distinct keys in ascending order; each entry's mask
+    marks the queries of the group that see it. A query sees at least
+    ``min(size, |Ω_t|)`` layout seeds when the group's ranges differ by at most
+    ``64`` keys at either end (causal prefill: 3); otherwise it may see fewer (its
+    τ is then −∞ if < K: no pruning, still exact).
+
+    Args:
+      witnesses: None or [G4, W] int32 key ids, *distinct within each row*
+        (:func:`distinct_rows`), −1 for none: e.g. an anchor query's Top-K or
+        user hints. Ids already in the layout and ids no query of the group sees
+        are dropped (a key counts once), the rest follow the layout in slots
+        ``[L, L + W)`` (−1 holes are skipped by the seed kernel).
 
     Returns:
-      (packed [G4, 1, L] int32, count [G4, 1] int32, seeds per query [Tpad] int32).
+      (packed [G4, 1, L'] int32, count [G4, 1] int32 (list slots to read; entries
+      −1 inside are empty), seeds per query [Tpad] int32).
     """
     T = lo.shape[0]
     lo = jnp.pad(lo, (0, Tpad - T))
@@ -102,7 +111,55 @@ def group_seed_lists(lo: Array, hi: Array, Tpad: int, size: int, sinks: int, loc
     packed = jnp.take_along_axis(jnp.where(keep, ids | (bits << ID_BITS), -1), order, axis=1)
     count = jnp.sum(keep, axis=1).astype(jnp.int32)
     seeds = jnp.sum(vis, axis=2).reshape(Tpad).astype(jnp.int32)
+    if witnesses is not None:
+        wid = witnesses.astype(jnp.int32)
+        c, lm, hm, ls, st = (x[:, None] for x in (c_eff, lo_min, hi_max, loc_start, stride))
+        off = wid - (lm + a)
+        in_layout = jnp.where(
+            small[:, None], (wid >= lm) & (wid < hm),
+            ((wid >= lm) & (wid < lm + a)) | ((wid >= ls) & (wid < hm))
+            | ((off >= 0) & (off < c * st) & (off % st == 0)))
+        wvis = ((wid[:, None, :] >= lo4[:, :, None]) & (wid[:, None, :] < hi4[:, :, None])
+                & (wid >= 0)[:, None, :] & ~in_layout[:, None, :])
+        wbits = jnp.sum(wvis.astype(jnp.int32) << jnp.arange(4, dtype=jnp.int32)[None, :, None],
+                        axis=1)
+        W = round_up(wid.shape[1], block)
+        went = jnp.pad(jnp.where(wbits > 0, wid | (wbits << ID_BITS), -1),
+                       ((0, 0), (0, W - wid.shape[1])), constant_values=-1)
+        packed = jnp.concatenate([packed, went], axis=1)
+        count = jnp.full_like(count, L + W)
+        seeds = seeds + jnp.sum(wvis, axis=2).reshape(Tpad).astype(jnp.int32)
     return packed[:, None, :], count[:, None], seeds
+
+
+def distinct_rows(ids: Array) -> Array:
+    """Each row's distinct non-negative ids (sorted), repeats and negatives replaced by −1."""
+    s = jnp.sort(ids.astype(jnp.int32), axis=1)
+    rep = jnp.concatenate([jnp.zeros_like(s[:, :1], bool), s[:, 1:] == s[:, :-1]], axis=1)
+    return jnp.where(rep | (s < 0), -1, s)
+
+
+def group_witnesses(Tpad: int, hint=None, anchor_topk=None, anchor_stride: int = 0):
+    """Witness ids of each group of 4 queries ([G4, W], distinct per row, −1 for none).
+
+    ``anchor_topk`` [A, K]: the exact Top-K of queries 0, s, 2s, … (s = anchor_stride);
+    a group takes its first query's anchor (an anchor at or before every query of the
+    group). ``hint`` [T, M]: user witnesses; a group takes the union of its queries'.
+    """
+    G4 = Tpad // 4
+    parts = []
+    if anchor_topk is not None:
+        a = jnp.minimum(jnp.arange(G4) * 4 // anchor_stride, anchor_topk.shape[0] - 1)
+        parts.append(anchor_topk[a])
+    if hint is not None:
+        h = jnp.pad(hint.astype(jnp.int32), ((0, Tpad - hint.shape[0]), (0, 0)),
+                    constant_values=-1)
+        parts.append(h.reshape(G4, -1))
+    if not parts:
+        return None
+    if hint is None:
+        return parts[0]          # one query's Top-K: distinct already
+    return distinct_rows(jnp.concatenate(parts, axis=1))
 
 
 # ------------------------------------------------------------------ seed scores

@@ -120,6 +120,7 @@ def test_bad_input_names_the_argument(inp, fn, bad, exc, msg):
     ("positive_residual", "l1"), ("negative_support", "some"), ("negative_ranking", "x"),
     ("certificate_form", "abs"), ("capacity", 0), ("key_block", 0), ("backend", "tpu"),
     ("local_fraction", 1.5), ("scorer_unit_roundoff", 0.5), ("budget_candidates", (0,)),
+    ("anchor_stride", -4),
 ])
 def test_bad_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=f"Config.{field}"):
@@ -152,6 +153,23 @@ def test_hint_witnesses_raise_tau_and_never_change_the_answer(inp):
     assert np.all(np.asarray(got.stats.tau_seed) >= np.asarray(base.stats.tau_seed))
     with pytest.raises(ValueError, match="hint must have shape"):
         dosa_jax.topk(inp.q, inp.k, inp.w, config=cfg, hint=jnp.zeros((3, 2), jnp.int32))
+
+
+def test_anchor_witnesses_reference_backend():
+    """Anchors (queries 0, 4, 8, … answered densely first): same answer as dense, τ never
+    lower than without, τ = τ* at every anchor; off below 4 anchors' worth of queries."""
+    x = synthetic.structured(T=16, N=400, H=4, D=16, seed=4)
+    cfg = CFG.replace(seed_strategy="sinks", seed_size=16)
+    base = dosa_jax.topk(x.q, x.k, x.w, config=cfg)
+    dense = dosa_jax.dense_topk(x.q, x.k, x.w, config=cfg)
+    got = jax.jit(dosa_jax.topk)(x.q, x.k, x.w, config=cfg.replace(anchor_stride=4))
+    np.testing.assert_array_equal(np.asarray(got.indices), np.asarray(dense.indices))
+    np.testing.assert_array_equal(np.asarray(got.scores), np.asarray(dense.scores))
+    assert np.all(np.asarray(got.stats.tau_seed) >= np.asarray(base.stats.tau_seed))
+    np.testing.assert_array_equal(np.asarray(got.stats.tau_seed)[::4],
+                                  np.asarray(dense.scores)[::4, -1])
+    assert int(jnp.sum(got.stats.survivors)) < int(jnp.sum(base.stats.survivors))
+    assert cfg.replace(anchor_stride=8).anchors(16) == 0 and cfg.anchors(16) == 0
 
 
 def test_selection_policy_nan_inf_ties_and_pads():

@@ -241,6 +241,58 @@ def test_dosa_pallas_equals_dense_pallas_bitwise(tiles):
                                np.asarray(key_to_score(tau_twin)), rtol=1e-5)
 
 
+def test_anchor_and_hint_witnesses_raise_tau_and_keep_dosa_equal_to_dense():
+    """Anchors (every 4th query answered densely first) and user hints (duplicates, negative,
+    out-of-range and invisible ids) only add witnesses: DoSA == dense bitwise, τ never falls,
+    an anchor's τ is its own τ*, and fewer keys survive."""
+    inp = synthetic.structured(T=16, N=1200, H=8, D=32, seed=5, key_dtype="float8_e4m3fn",
+                               query_dtype="bfloat16")
+    args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)
+    cfg = Config(top_k=32, retained_heads=6, seed_size=64, capacity=1024)
+    didx, dsc = pipeline.dense_topk(*args, cfg, tiles=TILES_KC, splits=2)
+    _, _, st0 = pipeline.dosa_topk(*args, cfg, tiles=TILES_KC, splits=2)
+    hint = jnp.concatenate([didx[::-1, :40], jnp.full((16, 3), -5, jnp.int32),
+                            jnp.full((16, 2), 1200 + 7, jnp.int32),
+                            jnp.full((16, 2), 2 ** 30, jnp.int32)], axis=1)
+    acfg = cfg.replace(anchor_stride=4)
+    for c, h in ((acfg, None), (cfg, hint), (acfg, hint)):
+        idx, sc, st = pipeline.dosa_topk(*args, c, tiles=TILES_KC, splits=2, hint=h)
+        np.testing.assert_array_equal(np.asarray(idx), np.asarray(didx))
+        np.testing.assert_array_equal(np.asarray(sc), np.asarray(dsc))
+        both = np.asarray(st.pruning & st0.pruning)
+        assert both.sum() >= 8
+        assert np.all(np.asarray(st.tau_seed)[both] >= np.asarray(st0.tau_seed)[both])
+        assert int(jnp.sum(st.survivors)) < int(jnp.sum(st0.survivors))
+    _, _, st = pipeline.dosa_topk(*args, acfg, tiles=TILES_KC, splits=2)
+    anchors = np.asarray(st.pruning)[::4]
+    np.testing.assert_array_equal(np.asarray(st.tau_seed)[::4][anchors],
+                                  np.asarray(dsc)[::4, -1][anchors])
+
+
+def test_group_seed_lists_with_witnesses_count_each_visible_key_once():
+    """Witnesses already in the layout or seen by no query are dropped; every query's entries
+    are distinct visible keys, and each visible witness is among them."""
+    from pallas_kernels.seeds import distinct_rows, group_seed_lists
+    rng = np.random.default_rng(2)
+    T, N = 12, 5000
+    hi = np.r_[np.arange(4000, 4004), np.arange(200, 204), [0, 3000, 4500, 4999]].astype(np.int32)
+    lo = np.r_[np.zeros(8), [0, 2000, 100, 4000]].astype(np.int32)
+    raw = np.concatenate([rng.integers(-3, N + 5, (3, 300)), np.tile(np.arange(0, 600, 7), (3, 1))],
+                         axis=1)
+    wit = distinct_rows(jnp.asarray(raw, jnp.int32))
+    lists, cnt, seeds = group_seed_lists(jnp.asarray(lo), jnp.asarray(hi), T, 256, 16, 160, 32, wit)
+    lists, cnt, seeds, wit = map(np.asarray, (lists, cnt, seeds, wit))
+    for t in range(T):
+        g, b = divmod(t, 4)
+        e = lists[g, 0, :cnt[g, 0]]
+        e = e[e >= 0]
+        ids = e[(e >> 27) >> b & 1 == 1] & ((1 << 27) - 1)
+        assert len(ids) == len(set(ids.tolist())) == seeds[t]
+        assert np.all((ids >= lo[t]) & (ids < hi[t]))
+        w = wit[g][(wit[g] >= lo[t]) & (wit[g] < hi[t])]
+        assert set(w.tolist()) <= set(ids.tolist())
+
+
 def test_seed_scores_equal_dense_kernel_scores_bitwise():
     """Every seed score is the dense kernel's score of that (query, key), bit for bit (so τ is
     the K-th largest of the scores the screen and refinement are judged by); the twin agrees
@@ -407,5 +459,20 @@ def test_bad_tiles_are_rejected_naming_the_field():
             pipeline.dosa_topk(*args, tiles=bad)
     with pytest.raises(ValueError, match="tiles.BQ"):
         pipeline.dosa_topk(*args, tiles=TILES._replace(BQ=8))
+    with pytest.raises(NotImplementedError, match="guided_witnesses"):
+        pipeline.dosa_topk(*args[:-1], Config(top_k=8, guided_witnesses=4), tiles=TILES)
     with pytest.raises(ValueError, match="tiles.layout"):
         pipeline.dense_topk(*args, tiles=TILES._replace(layout="xy"))
+
+
+def test_benchmark_specs_parse_tiles_seeds_and_anchors():
+    from benchmarks.run import BENCH_SEEDS, parse_tiles, tiles_name
+    t, o = parse_tiles("kh:128:4:3:kh:8:4:0:32/8192/64")
+    assert (t.layout, t.BK, t.num_stages, t.screen_bq, t.screen_keys_major, t.screen_bk) == (
+        "kh", 128, 3, 8, False, 32)
+    cfg = o.config(2048)
+    assert (cfg.seed_size, cfg.anchor_stride, cfg.backend) == (8192, 64, "pallas")
+    assert tiles_name(t, o).endswith("/8192/64")
+    t, o = parse_tiles("")
+    assert t == dense.Tiles() and (o.seeds, o.anchor) == (BENCH_SEEDS, 0)
+    assert parse_tiles("/4096")[1].config(8).anchors(4096) == 0
