@@ -178,8 +178,9 @@ def dosa_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), split
     the workspace at long context and keeps the lists large enough not to overflow.
 
     ``hint`` [T, M]: extra witness ids for τ (``dosa_jax.topk``); with
-    ``config.anchor_stride`` each wave also answers its anchor queries densely first
-    and their Top-K ids join the witnesses (:func:`anchor_topk`).
+    ``config.anchor_stride`` the anchor queries are answered densely first (all of
+    them in one scan, before the waves) and their Top-K ids join the witnesses
+    (:func:`anchor_topk`, :func:`pallas_kernels.seeds.group_witnesses`).
 
     ``stop_after`` (``"seeds"``, ``"screen"`` or ``"refine"``) returns the
     intermediate arrays of that stage instead of the answer: the benchmark times
@@ -199,24 +200,29 @@ def dosa_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), split
     Tw = wave_size(T, N) if wave is None else int(min(max(wave, 4), round_up(T, 4)))
     if Tw % 4:
         raise ValueError(f"wave must be a multiple of 4, got {wave}")
+    anchors = anchor_topk(q, k, w, k_scale, lo, hi, config, tiles=tiles, interpret=interpret)
+    wit = group_witnesses(round_up(T, 4), hint, anchors, config.anchors(T))
     if Tw >= T or return_details:
         if return_details and Tw < T:
             raise ValueError("return_details needs a single wave (wave >= T)")
         return _dosa_wave(q, k, w, k_scale, lo, hi, config, tiles=tiles, splits=splits,
                           interpret=interpret, return_details=return_details,
-                          stop_after=stop_after, hint=hint)
+                          stop_after=stop_after, witnesses=wit)
     n = -(-T // Tw)
     pad = n * Tw - T
+    if wit is not None:      # [G4, W] -> per wave [Tw/4, W] (padded queries: no witnesses)
+        wit = jnp.pad(wit, ((0, n * Tw // 4 - wit.shape[0]), (0, 0)), constant_values=-1)
+        wit = wit.reshape(n, Tw // 4, -1)
     padq = lambda a: jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1))
     # padded queries see nothing (empty range): they are answered and dropped
     waves = (padq(q).reshape((n, Tw) + q.shape[1:]), padq(w).reshape((n, Tw) + w.shape[1:]),
              padq(lo.astype(jnp.int32)).reshape(n, Tw), padq(hi.astype(jnp.int32)).reshape(n, Tw),
-             None if hint is None else padq(hint.astype(jnp.int32)).reshape(n, Tw, -1))
+             wit)
 
     def one(args):
-        qw, ww, low, hiw, hw = args
+        qw, ww, low, hiw, ws = args
         return _dosa_wave(qw, k, ww, k_scale, low, hiw, config, tiles=tiles, splits=splits,
-                          interpret=interpret, stop_after=stop_after, hint=hw)
+                          interpret=interpret, stop_after=stop_after, witnesses=ws)
 
     out = lax.map(one, waves)
     return jax.tree_util.tree_map(lambda a: a.reshape((n * Tw,) + a.shape[2:])[:T], out)
@@ -224,17 +230,26 @@ def dosa_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), split
 
 def anchor_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, interpret=None):
     """Exact Top-K ids [A, K] of the anchor queries 0, s, 2s, … (s = ``config.anchors(T)``)
-    by the dense kernel, or None when anchors are off for T queries."""
+    by the dense kernel, or None when anchors are off for T queries.
+
+    Each key split spans ≥ 32·K keys: a split's record buffer must take K records before
+    its threshold rises, so splits much shorter than that spent most of the scan in
+    compactions (anchors inside each 2048-query wave at N = 1M took DoSA from 833 to
+    893 ms on the H200 with 64 splits of 16K keys; session 5).
+    """
     s = config.anchors(q.shape[0])
     if not s:
         return None
     a = slice(0, None, s)
+    A, N = -(-q.shape[0] // s), k.shape[0]
+    S = max(1, min(dense_mod.default_splits(A, N, tiles.BQ, tiles.BK),
+                   N // (32 * config.top_k)))
     return dense_mod.dense_topk(q[a], k, w[a], k_scale, lo[a], hi[a], config, tiles=tiles,
-                                interpret=interpret)[0]
+                                splits=S, interpret=interpret)[0]
 
 
 def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interpret,
-               return_details: bool = False, stop_after=None, hint=None):
+               return_details: bool = False, stop_after=None, witnesses=None):
     """One wave of :func:`dosa_topk` (all of its queries' lists live at once)."""
     K = config.top_k
     T, H, D = q.shape
@@ -252,8 +267,6 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
 
     # 1. seeds: τ = K-th largest seed score (Eq. 2), scored by the shared routine
     S0, a, b = seed_sizes(config)
-    anchors = anchor_topk(q, k, w, k_scale, lo, hi, config, tiles=tiles, interpret=interpret)
-    witnesses = group_witnesses(Tpad4, hint, anchors, config.anchors(T))
     lists, lcount, n_seeds = group_seed_lists(lo, hi, Tpad4, S0, a, b, tiles.BK, witnesses)
     tau_key, n_eligible = seed_threshold(ops, lists, lcount, K, tiles=tiles, interpret=interpret)
     have_tau = n_eligible >= K

@@ -264,6 +264,10 @@ def test_anchor_and_hint_witnesses_raise_tau_and_keep_dosa_equal_to_dense():
         assert np.all(np.asarray(st.tau_seed)[both] >= np.asarray(st0.tau_seed)[both])
         assert int(jnp.sum(st.survivors)) < int(jnp.sum(st0.survivors))
     _, _, st = pipeline.dosa_topk(*args, acfg, tiles=TILES_KC, splits=2)
+    # in two waves the anchors (all scanned before the waves) give every query the same τ
+    idx, sc, stw = pipeline.dosa_topk(*args, acfg, tiles=TILES_KC, splits=2, wave=8)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(didx))
+    np.testing.assert_array_equal(np.asarray(stw.tau_seed), np.asarray(st.tau_seed))
     anchors = np.asarray(st.pruning)[::4]
     np.testing.assert_array_equal(np.asarray(st.tau_seed)[::4][anchors],
                                   np.asarray(dsc)[::4, -1][anchors])
