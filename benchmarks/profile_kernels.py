@@ -12,7 +12,8 @@ Times (median of ``--iters`` after 2 warm-up calls, wall time around
   compaction), with the default or the given tiles;
 * ``dosa@spec`` / ``dense@spec`` (``--dosa``, :func:`benchmarks.run.parse_tiles`
   specs), each pair first checked bitwise (``check@spec``), and with ``--stages``
-  DoSA cut after its seeds, screen and refine.
+  DoSA cut after its seeds, screen and refine, and cut after a screen that writes
+  no survivor (τ = +inf: ``dosa_until_screen_nowrite``).
 
 With ``--ncu`` the script runs each jitted function once (for Nsight Compute;
 it then times nothing). Output: a JSON line per measurement on stdout.
@@ -31,6 +32,22 @@ def _time(fn, *args, iters=7):
     """Median ms of ``iters`` timed calls after 2 warm-up calls (:func:`benchmarks.run.timeit`)."""
     from benchmarks.run import timeit
     return timeit(fn, *args, iters=iters)[0] * 1e3
+
+
+def _without_survivors(fn):
+    """Trace ``fn`` with the pipeline's screen given τ = +inf (every key rejected: the
+    kernel computes every bound and survival test, and never runs its compaction)."""
+    from pallas_kernels import pipeline
+    orig = pipeline.screen
+
+    def screen(sops, *args, **kw):
+        return orig(sops._replace(tau=jnp.full_like(sops.tau, jnp.inf)), *args, **kw)
+
+    pipeline.screen = screen
+    try:
+        return fn()
+    finally:
+        pipeline.screen = orig
 
 
 def main(argv=None):
@@ -100,6 +117,10 @@ def main(argv=None):
         for stage in (("seeds", "screen", "refine") if a.stages else ()):
             runs.append((f"dosa_until_{stage}@{spec}", jax.jit(
                 lambda *x, t=t, c=c, s_=stage: pipeline.dosa_topk(*x, c, tiles=t, stop_after=s_))))
+        if a.stages:   # the screen with τ = +inf: the same bound work, no survivor ever written
+            runs.append((f"dosa_until_screen_nowrite@{spec}", jax.jit(
+                lambda *x, t=t, c=c: _without_survivors(
+                    lambda: pipeline.dosa_topk(*x, c, tiles=t, stop_after="screen")))))
     keep = set(filter(None, a.runs.split(",")))
     for name, f in runs:
         if keep and name not in keep:
