@@ -1,6 +1,7 @@
 """DoSA on the Pallas kernels (``Config(backend="pallas")``), and the dense path.
 
-Data flows one way (STYLE.md): operands → seeds (refine kernel, τ) → plan
+Data flows one way (STYLE.md): operands → (anchors: dense kernel) → seeds
+(:mod:`pallas_kernels.seeds`: seed-scoring kernel, K-th search, τ) → plan
 (``dosa_jax.planner.build_plan``, query side) → screen kernel (U < τ rejects)
 → refine kernel (s ≥ τ records, online threshold) → recovery of overflowed
 groups (dense kernel with θ₀ = τ) → exact selection of the records.
