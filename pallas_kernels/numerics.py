@@ -82,8 +82,8 @@ def screening_error_coefficient(rows, row_w, aggregate, k_dtype, coef_plan,
                                 single_piece: bool = False):
     """E_u: |Û_kernel − Û_real| ≤ n_i E_u for the screening expression (rows f32 in pieces).
 
-    Retained rows through the ReLU times |w̃_r|, aggregate columns through theirs
-    (weights of absolute value ≤ 1), then the tree sum over Rp columns and the
+    Retained rows through the ReLU times |w̃_r|, aggregate rows summed before
+    their ReLU (absolute value 1), then the tree sums over Rp rows and the
     ``+ n·coef + ε`` epilogue (γ_{Rp+6} of every magnitude involved).
     """
     T, R, D = rows.shape
@@ -107,9 +107,9 @@ def kernel_coefficient(q, w, plan, k_dtype, single_piece: bool = False, aggregat
                        aggregate_error=None):
     """coef for the screening kernel: plan residual + plan error + E_s + E_u (upward).
 
-    ``aggregate``/``aggregate_error``: the columns the screen actually uses for the
-    negative aggregate and ‖a − bf16(a)‖ (:func:`pallas_kernels.screen.screen_columns`),
-    in place of ``plan.aggregate``; ``single_piece`` as the screen's columns.
+    ``aggregate``/``aggregate_error``: the rows the screen actually uses for the
+    negative aggregate and ‖a − Σ rows‖ (:func:`pallas_kernels.screen.split_aggregate_bf16`),
+    in place of ``plan.aggregate``; ``single_piece`` as the screen's rows.
     """
     coef_plan = plan.residual + plan.error
     if aggregate_error is not None:

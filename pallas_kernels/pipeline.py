@@ -44,7 +44,7 @@ from pallas_kernels import records as rec
 from pallas_kernels.common import MAX_KEYS, THETA_NONE, next_pow2, round_up
 from pallas_kernels.dense import Tiles, prepare_operands
 from pallas_kernels.refine import refine
-from pallas_kernels.screen import prepare_screen, screen, screen_columns
+from pallas_kernels.screen import prepare_screen, screen, split_aggregate_bf16
 from pallas_kernels.seeds import group_seed_lists, group_witnesses, seed_threshold
 
 #: Survivor-list budget (entries, int32) over all groups and splits: 1 GiB.
@@ -255,12 +255,10 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     K = config.top_k
     T, H, D = q.shape
     N = k.shape[0]
-    # the screen's columns are one bf16 MMA piece when the retained rows q_j are exact in
-    # bf16 (bf16 or FP8 queries; the aggregate is rounded, its error joins coef); the
-    # absolute form needs the aggregate with both signs (screen.screen_columns)
+    # the screen's rows are one bf16 MMA piece when the retained rows q_j are exact in
+    # bf16 (bf16 or FP8 queries); the negative aggregate then takes two rows (hi, lo)
     single = jnp.dtype(q.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn))
-    both_signs = config.certificate_form == "absolute"
-    config = screen_friendly(config, H, A=2 if both_signs else 1)
+    config = screen_friendly(config, H, A=2 if single else 1)
     S = splits or dense_mod.default_splits(T, N, tiles.BQ, tiles.BK)
     ops = prepare_operands(q, w, k, k_scale, tiles.BQ, layout=tiles.layout)
     Tpad4 = ops.q.shape[1] // ops.H
@@ -283,16 +281,14 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     p = jax.vmap(activation_frequencies)(dots, valid)
     plan, details, budget = build_plan(q.astype(jnp.float32), w, p, config, sample_dots=sdots,
                                        sample_norms=snorm, sample_valid=svalid, tau=tau)
-    cols, col_w, agg_cols, agg_err = screen_columns(
-        plan.rows, plan.row_weights, plan.aggregate, plan.aggregate_linear, single_piece=single,
-        both_signs=both_signs)
     if single:
+        agg_rows, agg_err = split_aggregate_bf16(plan.aggregate)
         eps = nm.upper_sum(plan.eps_raw, jnp.float32(
-            4.0 * D * agg_cols.shape[1] * nm.ETA32))   # the aggregate columns' flushed results
+            4.0 * D * plan.aggregate.shape[1] * nm.ETA32))   # the extra rows' flushed results
     else:
-        eps = plan.eps_raw
-    coef = knum.kernel_coefficient(q, w, plan, k.dtype, single_piece=single, aggregate=agg_cols,
-                                   aggregate_error=agg_err if single else None)
+        agg_rows, agg_err, eps = plan.aggregate, None, plan.eps_raw
+    coef = knum.kernel_coefficient(q, w, plan, k.dtype, single_piece=single, aggregate=agg_rows,
+                                   aggregate_error=agg_err)
     if k_scale is None:
         bad_scale = jnp.zeros((T,), bool)
     else:
@@ -312,7 +308,8 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
 
     # 3. screen (direct groups see no keys here)
     Dp = ops.k.shape[-1]
-    sops = prepare_screen(cols, col_w, coef, eps, tau, prune, Dp, single_piece=single,
+    sops = prepare_screen(plan.rows, plan.row_weights, agg_rows, plan.aggregate_linear,
+                          coef, eps, tau, prune, Dp, single_piece=single,
                           layout=tiles.screen_layout, BQs=tiles.screen_bq or None)
     Cs = survivor_capacity(N, T, S, K, config.capacity)
     slo = jnp.where(direct, 0, lo)
@@ -365,7 +362,7 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     if return_details:
         return idx, sc, stats, dict(plan=plan, coef=coef, eps=eps, surv=surv, cand=cand,
                                     tau_key=tau_key, Cs=Cs, splits=S, direct=direct,
-                                    estimated_survival=est, screen_columns=(cols, col_w),
+                                    estimated_survival=est, aggregate_rows=agg_rows,
                                     single_piece=single)
     return idx, sc, stats
 

@@ -1,29 +1,23 @@
 """Certificate screening (Eq. 9, 26) as a Pallas Triton kernel, and its jnp twin.
 
 One shape serves all scoring stages (SPEC §13): per program, ``BQs`` queries'
-*screen columns* (``Rp`` per query, :func:`screen_columns`: the retained heads
-q_j with folded weights w̃_j, then the negative aggregate a with weight −1, zero
-columns to a power of two) are multiplied against a key tile on the tensor
-cores — stacked into one [BQs·Rp, D] matrix (layout ``"hk"``), one
-[BK, D]×[D, Rp] dot per query (``"kh"``, keys as MMA rows) or one
-[BK, D]×[D, BQs·Rp] dot for all of them (``"kc"``, the default) — and the
-bound is *one* weighted ReLU sum per (query, key), the scorer's own epilogue:
+plan rows (``Rp`` rows per query: the retained heads with folded weights w̃_j,
+then the negative-aggregate rows, zero rows to a power of two) are multiplied
+against a key tile on the tensor cores — stacked into one [BQs·Rp, D] matrix
+(layout ``"hk"``), one [BK, D]×[D, Rp] dot per query (``"kh"``, keys as MMA
+rows) or one [BK, D]×[D, BQs·Rp] dot for all of them (``"kc"``, the default:
+DoSA at T=16K, N=1M took 927 ms with it against 1280 ms with ``"kh"`` on the
+H200, BENCHMARKS.md session 4) — and the bound is evaluated per (query, key):
 
-    Û = Σ_c a_c relu(y_c)      (= Σ_r w̃_r relu(q_r·k̄) − relu(a·k̄), Eq. 9)
+    Û = Σ_r w̃_r relu(y_r) − relu(Σ_a z_a)          (− Σ_a z_a in the absolute form)
     U = α_i (Û + n_i·coef + ε_raw),  then nudged up by |U|·2^-21
 
 with ``n_i ≥ ‖k̄_i‖`` and ``coef = E + C + C_kernel`` (the plan's residual and
-error plus this backend's arithmetic, :mod:`pallas_kernels.numerics`). The
-absolute form (Eq. 24–25) subtracts z = a·k̄ itself: −z = relu(−z) − relu(z),
-a second column −a with weight +1 (``both_signs``); without it a linear query
-gets the single column −a with weight +1, relu(−z) ≥ −z (valid, looser). With
-bf16 or FP8 queries every column is one exact bf16 MMA piece: the aggregate is
-rounded to bf16 and ‖a − bf16(a)‖ joins ``coef`` (the ReLU is 1-Lipschitz);
-float32 queries keep two pieces per column. Until session 5 the screen summed
-the retained columns and the aggregate columns separately (two reductions per
-(query, key), and two bf16 rows hi + lo for the aggregate).
-
-A key is rejected only on ``U < τ`` (strict; NaN never rejects); ``prune = 0``
+error plus this backend's arithmetic, :mod:`pallas_kernels.numerics`). With
+bf16 or FP8 queries the rows are one bf16 MMA piece (the retained rows are
+exact; the aggregate is split into hi + lo rows, :func:`split_aggregate_bf16`,
+its remainder in ``coef``); float32 queries keep two pieces per row. A key
+is rejected only on ``U < τ`` (strict; NaN never rejects); ``prune = 0``
 disables rejection for a query. Survivors of the ``BQs/4`` refinement groups
 of the program (4 queries, paper Sec. 3) are appended to per-group lists as
 ``id | mask << 27`` (the mask says for which of the 4 queries the key
@@ -61,8 +55,10 @@ GROUP = 4   # queries per refinement group (bits in a survivor record)
 class ScreenOperands(NamedTuple):
     """Kernel-ready screening rows ([Pr, Tpad*Rp, Dp] pieces) and per-row/per-query vectors."""
 
-    rows: Array        # [Pr, Tpad*Rp, Dp] MMA pieces of the screen columns
-    row_w: Array       # [Tpad*Rp] float32 column weights a_c (0 for padding)
+    rows: Array        # [Pr, Tpad*Rp, Dp] MMA pieces
+    row_w: Array       # [Tpad*Rp] float32 w̃ (0 for aggregate / padding rows)
+    agg_m: Array       # [Tpad*Rp] float32 1 for aggregate rows
+    linear: Array      # [Tpad] int32
     coef: Array        # [Tpad] float32
     eps: Array         # [Tpad] float32
     tau: Array         # [Tpad] float32
@@ -91,92 +87,87 @@ def screen_queries_per_program(Rp: int, T: int, layout: str = "hk", BQs=None) ->
     return bq
 
 
-def screen_columns(rows, row_w, aggregate, linear, *, single_piece: bool, both_signs: bool):
-    """The screen's columns and weights: Û ≤ Σ_c a_c relu(c·k̄) for every key (Eq. 9, 24–25).
+def split_aggregate_bf16(aggregate: Array):
+    """Aggregate rows a = hi + lo (+ e) as two bf16-exact rows each, and ‖e‖ bounded upward.
 
-    Retained rows with w̃; the aggregate a (A = 1 row) with weight −1 (−relu(z));
-    with ``both_signs`` also −a with weight +1 for linear (absolute-form) queries and 0
-    otherwise (−z = relu(−z) − relu(z)); without it a linear query's aggregate column is
-    −a with weight +1 (relu(−z) ≥ −z). With ``single_piece`` the aggregate is rounded to
-    bf16 (every column one exact MMA piece) and ‖a − bf16(a)‖ is returned, to join the
-    coefficient: |relu(a·k̄) − relu(bf16(a)·k̄)| ≤ ‖a − bf16(a)‖ ‖k̄‖.
+    The screen sums the aggregate rows' dots *before* the ReLU (Eq. 8), so two rows
+    hi, lo give ``(hi + lo)·k̄``; the residual e = a − hi − lo (|e| ≤ 2^-16 |a|)
+    moves z by at most ‖e‖ n_i, which joins the coefficient. With the retained
+    rows exact in bf16 (bf16 or FP8 queries) the whole plan is then one MMA piece.
 
     Returns:
-      (columns [T, R + A·(1 + both_signs), D] float32, weights [same, minus D],
-      aggregate columns [T, A·(1 + both_signs), D] (for the error coefficient),
-      ‖a − columns' a‖ upper bound [T] float32).
+      ([T, 2A, D] float32 rows exactly representable in bf16, [T] float32 ‖e‖ upper).
     """
     a = aggregate.astype(jnp.float32)
-    T, A, _ = a.shape
-    if single_piece:
-        hi = a.astype(jnp.bfloat16).astype(jnp.float32)
-        err = nm.inflate(jnp.sum(nm.norm_upper(a - hi), axis=-1), A + 1)   # a − hi exact
-    else:
-        hi, err = a, jnp.zeros((T,), jnp.float32)
-    lin = linear.astype(bool)[:, None]
-    if both_signs:
-        agg = jnp.concatenate([hi, -hi], axis=1)
-        agg_w = jnp.concatenate([jnp.full((T, A), -1.0, jnp.float32),
-                                 jnp.where(lin, 1.0, 0.0) * jnp.ones((T, A), jnp.float32)], axis=1)
-    else:
-        agg = jnp.where(lin[:, :, None], -hi, hi)
-        agg_w = jnp.where(lin, 1.0, -1.0) * jnp.ones((T, A), jnp.float32)
-    cols = jnp.concatenate([rows.astype(jnp.float32), agg], axis=1)
-    return cols, jnp.concatenate([row_w.astype(jnp.float32), agg_w], axis=1), agg, err
+    hi = a.astype(jnp.bfloat16).astype(jnp.float32)
+    lo = (a - hi).astype(jnp.bfloat16).astype(jnp.float32)
+    e = (a - hi) - lo                                  # both subtractions exact in float32
+    err = jnp.sum(nm.norm_upper(e), axis=-1)
+    return jnp.concatenate([hi, lo], axis=1), nm.inflate(err, aggregate.shape[1] + 1)
 
 
-def prepare_screen(cols, col_w, coef, eps, tau, prune, Dp: int, BQs=None,
+def prepare_screen(rows, row_w, aggregate, linear, coef, eps, tau, prune, Dp: int, BQs=None,
                    single_piece: bool = False, layout: str = "hk"):
-    """Pad the screen columns (:func:`screen_columns`) to Rp per query, Dp, BQs queries.
+    """Stack retained rows and aggregate rows per query; pad to Rp rows, Dp columns, BQs queries.
 
     Args:
-      cols: [T, C, D] float32; col_w: [T, C]; coef, eps, tau, prune: [T].
-      single_piece: feed the columns as one bf16 piece (one MMA per key tile instead of
+      rows: [T, R, D] float32; row_w: [T, R]; aggregate: [T, A, D]; the rest [T].
+      single_piece: feed the rows as one bf16 piece (one MMA per key tile instead of
         two); ``coef`` must then include their rounding
         (:func:`pallas_kernels.numerics.kernel_coefficient` with the same flag).
     """
-    T, C, D = cols.shape
-    Rp = next_pow2(C)
+    T, R, D = rows.shape
+    A = aggregate.shape[1]
+    Rp = next_pow2(R + A)
     if layout == "kh":
-        Rp = max(Rp, 16)          # one query's columns are the dot's N dimension (≥ 16)
+        Rp = max(Rp, 16)          # one query's rows are the dot's N dimension (≥ 16)
     BQs = screen_queries_per_program(Rp, T, layout, BQs)
     Tpad = round_up(T, BQs)
-    allr = pad_axis(pad_axis(pad_axis(cols.astype(jnp.float32), 1, Rp), 2, Dp), 0, Tpad)
+    allr = jnp.concatenate([rows.astype(jnp.float32), aggregate.astype(jnp.float32)], axis=1)
+    allr = pad_axis(pad_axis(pad_axis(allr, 1, Rp), 2, Dp), 0, Tpad)
     pieces = row_pieces(allr, single_piece)  # [Pr, Tpad, Rp, Dp]
-    rw = pad_axis(pad_axis(col_w.astype(jnp.float32), 1, Rp), 0, Tpad)
+    rw = pad_axis(pad_axis(jnp.concatenate(
+        [row_w.astype(jnp.float32), jnp.zeros((T, A), jnp.float32)], axis=1), 1, Rp), 0, Tpad)
+    am = pad_axis(pad_axis(jnp.concatenate(
+        [jnp.zeros((T, R), jnp.float32), jnp.ones((T, A), jnp.float32)], axis=1), 1, Rp), 0, Tpad)
     padq = lambda x, v=0: pad_axis(x, 0, Tpad, v)
     return ScreenOperands(
         rows=pieces.reshape(pieces.shape[0], Tpad * Rp, Dp), row_w=rw.reshape(-1),
+        agg_m=am.reshape(-1), linear=padq(linear.astype(jnp.int32)),
         coef=padq(coef.astype(jnp.float32)), eps=padq(eps.astype(jnp.float32)),
         tau=padq(tau.astype(jnp.float32), jnp.inf), prune=padq(prune.astype(jnp.int32)),
         Rp=Rp, BQs=BQs, layout=layout)
 
 
-def bound_tile(r_pieces, row_w, k_pieces, knorm, scale, coef, eps, *, BQs: int, Rp: int, pairs,
-               layout: str = "hk", keys_major: bool = False):
+def bound_tile(r_pieces, row_w, agg_m, k_pieces, knorm, scale, linear, coef, eps, *,
+               BQs: int, Rp: int, pairs, layout: str = "hk", keys_major: bool = False):
     """U for a tile inside a kernel: [BQs, BK] float32 ([BK, BQs] with ``keys_major``, "kc" only).
 
     ``"hk"``: one dot [BQs*Rp, D] × [D, BK], sums across the accumulator's rows.
-    ``"kh"``: per query one dot [BK, D] × [D, Rp] (``r_pieces[a]`` and ``row_w`` are
-    lists over the BQs queries), sums along the columns a thread holds.
-    ``"kc"``: one dot [BK, D] × [D, BQs*Rp] (all queries' columns), sums over each
-    query's Rp columns, then the [BK, BQs] sums are transposed (unless ``keys_major``).
+    ``"kh"``: per query one dot [BK, D] × [D, Rp] (``r_pieces[a]``, ``row_w``, ``agg_m``
+    are lists over the BQs queries), sums along the columns a thread holds.
+    ``"kc"``: one dot [BK, D] × [D, BQs*Rp] (all queries' rows as columns), sums over each
+    query's Rp columns, then the [BK, BQs] sums are transposed.
     """
     if layout == "kh":
         bk = k_pieces[0].shape[0]
         qi = lax.broadcasted_iota(jnp.int32, (BQs, bk), 0)
-        u = jnp.zeros((BQs, bk), jnp.float32)
+        pos = jnp.zeros((BQs, bk), jnp.float32)
+        z = jnp.zeros((BQs, bk), jnp.float32)
         for i in range(BQs):
             y = keys_rows_dot(k_pieces, [rp[i] for rp in r_pieces], pairs)   # [BK, Rp]
-            ui = jnp.sum(jnp.maximum(y, 0.0) * row_w[i][None, :], axis=1)
-            u = jnp.where(qi == i, jnp.broadcast_to(ui[None, :], (BQs, bk)), u)
+            pi = jnp.sum(jnp.maximum(y, 0.0) * row_w[i][None, :], axis=1)
+            zi = jnp.sum(y * agg_m[i][None, :], axis=1)
+            pos = jnp.where(qi == i, jnp.broadcast_to(pi[None, :], (BQs, bk)), pos)
+            z = jnp.where(qi == i, jnp.broadcast_to(zi[None, :], (BQs, bk)), z)
     elif layout == "kc":
         y = keys_rows_dot(k_pieces, r_pieces, pairs)                  # [BK, BQs*Rp]
         bk = y.shape[0]
-        u = jnp.sum((jnp.maximum(y, 0.0) * row_w[None, :]).reshape(bk, BQs, Rp), axis=2)
+        pos = jnp.sum((jnp.maximum(y, 0.0) * row_w[None, :]).reshape(bk, BQs, Rp), axis=2)
+        z = jnp.sum((y * agg_m[None, :]).reshape(bk, BQs, Rp), axis=2)   # [BK, BQs]
         if keys_major:   # the bound in the accumulator's orientation (no transpose)
-            return _bound_from_sum(u, knorm, scale, coef, eps, keys_major=True)
-        u = u.T
+            return _bound_from_sums(pos, z, knorm, scale, linear, coef, eps, keys_major=True)
+        pos, z = pos.T, z.T
     else:
         y = None
         for a, b in pairs:
@@ -184,8 +175,9 @@ def bound_tile(r_pieces, row_w, k_pieces, knorm, scale, coef, eps, *, BQs: int, 
                         preferred_element_type=jnp.float32)
             y = d if y is None else y + d
         bk = y.shape[-1]
-        u = jnp.sum((jnp.maximum(y, 0.0) * row_w[:, None]).reshape(BQs, Rp, bk), axis=1)
-    return _bound_from_sum(u, knorm, scale, coef, eps, keys_major=False)
+        pos = jnp.sum((jnp.maximum(y, 0.0) * row_w[:, None]).reshape(BQs, Rp, bk), axis=1)
+        z = jnp.sum((y * agg_m[:, None]).reshape(BQs, Rp, bk), axis=1)
+    return _bound_from_sums(pos, z, knorm, scale, linear, coef, eps, keys_major=False)
 
 
 def _along(keys_major: bool):
@@ -195,10 +187,11 @@ def _along(keys_major: bool):
     return (lambda x: x[:, None]), (lambda x: x[None, :])
 
 
-def _bound_from_sum(u, knorm, scale, coef, eps, *, keys_major: bool):
-    """U from the column sum Û (Eq. 9, 26): α_i (Û + n_i·coef + ε), nudged up."""
+def _bound_from_sums(pos, z, knorm, scale, linear, coef, eps, *, keys_major: bool):
+    """U from the row sums (Eq. 9, 26): α_i (Σ w̃ relu(y) − relu(z) + n_i·coef + ε), nudged up."""
     per_q, per_k = _along(keys_major)
-    v = u + (per_k(knorm) * per_q(coef) + per_q(eps))
+    neg = jnp.where(per_q(linear) != 0, z, jnp.maximum(z, 0.0))
+    v = (pos - neg) + (per_k(knorm) * per_q(coef) + per_q(eps))
     v = v * per_k(scale)
     return v + jnp.abs(v) * UP_NUDGE + UP_FLOOR
 
@@ -206,10 +199,10 @@ def _bound_from_sum(u, knorm, scale, coef, eps, *, keys_major: bool):
 def _screen_kernel(*refs, Pr: int, Pk: int, BQs: int, Rp: int, BK: int, N: int, S: int, Cs: int,
                    pairs, layout: str, keys_major: bool):
     r_refs = refs[:Pr]
-    (rw_ref, coef_ref, eps_ref, tau_ref, pr_ref, lo_ref, hi_ref) = refs[Pr:Pr + 7]
-    k_refs = refs[Pr + 7:Pr + 7 + Pk]
-    kn_ref, sc_ref = refs[Pr + 7 + Pk:Pr + 9 + Pk]
-    sv_ref, cnt_ref, qs_ref = refs[Pr + 9 + Pk:]
+    (rw_ref, am_ref, lin_ref, coef_ref, eps_ref, tau_ref, pr_ref, lo_ref, hi_ref) = refs[Pr:Pr + 9]
+    k_refs = refs[Pr + 9:Pr + 9 + Pk]
+    kn_ref, sc_ref = refs[Pr + 9 + Pk:Pr + 11 + Pk]
+    sv_ref, cnt_ref, qs_ref = refs[Pr + 11 + Pk:]
     G = BQs // GROUP
     g = pl.program_id(0)
     s = pl.program_id(1)
@@ -218,11 +211,13 @@ def _screen_kernel(*refs, Pr: int, Pk: int, BQs: int, Rp: int, BK: int, N: int, 
         qrows = [pl.ds((g * BQs + i) * Rp, Rp) for i in range(BQs)]
         rp = [[r_ref[r, :] for r in qrows] for r_ref in r_refs]
         rw = [rw_ref[r] for r in qrows]
+        am = [am_ref[r] for r in qrows]
     else:
         rp = [r_ref[pl.ds(g * BQs * Rp, BQs * Rp), :] for r_ref in r_refs]
         rw = rw_ref[pl.ds(g * BQs * Rp, BQs * Rp)]
+        am = am_ref[pl.ds(g * BQs * Rp, BQs * Rp)]
     qsl = pl.ds(g * BQs, BQs)
-    coef, eps, tau = coef_ref[qsl], eps_ref[qsl], tau_ref[qsl]
+    lin, coef, eps, tau = lin_ref[qsl], coef_ref[qsl], eps_ref[qsl], tau_ref[qsl]
     prune = pr_ref[qsl] != 0
     lo, hi = lo_ref[qsl], hi_ref[qsl]
     nonempty = hi > lo
@@ -245,8 +240,8 @@ def _screen_kernel(*refs, Pr: int, Pk: int, BQs: int, Rp: int, BK: int, N: int, 
               for k_ref in k_refs]
         kn = rec._plgpu().load(kn_ref.at[pl.ds(j * BK, BK)], mask=inb, other=0.0)
         sc = rec._plgpu().load(sc_ref.at[pl.ds(j * BK, BK)], mask=inb, other=1.0)
-        U = bound_tile(rp, rw, kp, kn, sc, coef, eps, BQs=BQs, Rp=Rp, pairs=pairs, layout=layout,
-                       keys_major=keys_major)
+        U = bound_tile(rp, rw, am, kp, kn, sc, lin, coef, eps, BQs=BQs, Rp=Rp, pairs=pairs,
+                       layout=layout, keys_major=keys_major)
         vis = (per_k(ids) >= per_q(lo)) & (per_k(ids) < per_q(hi))
         surv = vis & (~(U < per_q(tau)) | ~per_q(prune))
         si = surv.astype(jnp.int32)
@@ -284,7 +279,7 @@ class Survivors(NamedTuple):
 @functools.partial(jax.jit, static_argnames=("BQs", "Rp", "BK", "S", "Cs", "pairs", "num_warps",
                                              "num_stages", "interpret", "T", "layout",
                                              "keys_major"))
-def _screen_call(rows, row_w, coef, eps, tau, prune, lo, hi, k, knorm, scale, *,
+def _screen_call(rows, row_w, agg_m, linear, coef, eps, tau, prune, lo, hi, k, knorm, scale, *,
                  BQs, Rp, BK, S, Cs, pairs, num_warps, num_stages, interpret, T, layout,
                  keys_major):
     Tpad = lo.shape[0]
@@ -299,7 +294,7 @@ def _screen_call(rows, row_w, coef, eps, tau, prune, lo, hi, k, knorm, scale, *,
         out_shape=(jax.ShapeDtypeStruct((G4 * S * Cs,), i32),
                    jax.ShapeDtypeStruct((G4 * S,), i32), jax.ShapeDtypeStruct((Tpad * S,), i32)),
         compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
-        name="dosa_screen")(*rows, row_w, coef, eps, tau, prune, lo, hi, *k,
+        name="dosa_screen")(*rows, row_w, agg_m, linear, coef, eps, tau, prune, lo, hi, *k,
                             knorm, scale)
     return Survivors(sv.reshape(G4, S, Cs), cnt.reshape(G4, S), qs.reshape(Tpad, S)[:T])
 
@@ -318,29 +313,34 @@ def screen(sops: ScreenOperands, lo, hi, k_pieces, knorm, scale, *, splits: int,
     if interpret is None:
         interpret = interpret_default()
     T = lo.shape[0]
-    Tpad = sops.coef.shape[0]
+    Tpad = sops.linear.shape[0]
     lo = jnp.pad(lo.astype(jnp.int32), (0, Tpad - T))
     hi = jnp.pad(hi.astype(jnp.int32), (0, Tpad - T))
     pairs = piece_pairs(sops.rows.shape[0], k_pieces.shape[0])
-    return _screen_call(sops.rows, sops.row_w, sops.coef, sops.eps, sops.tau, sops.prune, lo,
-                        hi, k_pieces, knorm, scale, BQs=sops.BQs, Rp=sops.Rp, BK=BK, S=splits,
-                        Cs=round_up(capacity, 16), pairs=pairs, num_warps=num_warps, num_stages=num_stages, interpret=interpret, T=T,
+    return _screen_call(sops.rows, sops.row_w, sops.agg_m, sops.linear, sops.coef, sops.eps,
+                        sops.tau, sops.prune, lo, hi, k_pieces, knorm, scale, BQs=sops.BQs,
+                        Rp=sops.Rp, BK=BK, S=splits, Cs=round_up(capacity, 16), pairs=pairs,
+                        num_warps=num_warps, num_stages=num_stages, interpret=interpret, T=T,
                         layout=sops.layout, keys_major=bool(keys_major))
 
 
-def screening_bound_reference(cols, col_w, coef, eps, k_pieces, knorm, scale,
-                              single_piece: bool = False) -> Array:
-    """jnp twin of :func:`bound_tile` on full arrays: U [T, N] from the same screen columns
-    (:func:`screen_columns`) and operand pieces."""
+def screening_bound_reference(rows, row_w, aggregate, linear, coef, eps, k_pieces, knorm,
+                              scale, single_piece: bool = False) -> Array:
+    """jnp twin of :func:`bound_tile` on full arrays: U [T, N] with the same operand pieces."""
+    T, R, D = rows.shape
+    allr = jnp.concatenate([rows, aggregate], axis=1).astype(jnp.float32)
     Dp = k_pieces.shape[-1]
-    rp = row_pieces(pad_axis(cols.astype(jnp.float32), 2, Dp), single_piece)
+    allr = pad_axis(allr, 2, Dp)
+    rp = row_pieces(allr, single_piece)
     y = None
     for a, b in piece_pairs(rp.shape[0], k_pieces.shape[0]):
         d = jnp.einsum("trd,nd->tnr", rp[a].astype(jnp.float32), k_pieces[b].astype(jnp.float32),
                        precision=lax.Precision.HIGHEST)
         y = d if y is None else y + d
-    u = jnp.sum(jnp.maximum(y, 0.0) * col_w[:, None, :].astype(jnp.float32), axis=-1)
-    v = u + (knorm[None, :] * coef[:, None] + eps[:, None])
+    pos = jnp.sum(jnp.maximum(y[..., :R], 0.0) * row_w[:, None, :], axis=-1)
+    z = jnp.sum(y[..., R:], axis=-1)
+    neg = jnp.where(linear[:, None], z, jnp.maximum(z, 0.0))
+    v = (pos - neg) + (knorm[None, :] * coef[:, None] + eps[:, None])
     v = v * scale[None, :]
     return v + jnp.abs(v) * UP_NUDGE + UP_FLOOR
 

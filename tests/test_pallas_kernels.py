@@ -119,17 +119,12 @@ def test_screen_matches_twin(single_piece, layout, bq, keys_major):
     rows = q32[:, :R]
     row_w = jnp.abs(inp.w[:, :R])
     agg = q32[:, R:R + A] * 0.3
+    if single_piece:   # the pipeline's form: aggregate as hi + lo rows, retained rows bf16-exact
+        agg, agg_err = screen.split_aggregate_bf16(agg)
+        assert agg.shape[1] == 2 * A and bool(jnp.all(agg_err >= 0))
+        np.testing.assert_array_equal(np.asarray(agg.astype(jnp.bfloat16).astype(jnp.float32)),
+                                      np.asarray(agg))
     linear = jnp.asarray(rng.random(T) < 0.3)
-    # the pipeline's columns: one aggregate column (rounded to bf16 with one piece) or, for the
-    # absolute form, both signs (the two-piece cases)
-    cols, col_w, agg_cols, agg_err = screen.screen_columns(
-        rows, row_w, agg, linear, single_piece=single_piece, both_signs=not single_piece)
-    assert cols.shape[1] == R + A * (1 if single_piece else 2)
-    assert agg_cols.shape[1] == cols.shape[1] - R
-    if single_piece:   # every column exact in bf16; the rounding of a is returned
-        np.testing.assert_array_equal(np.asarray(cols.astype(jnp.bfloat16).astype(jnp.float32)),
-                                      np.asarray(cols))
-        assert bool(jnp.all(agg_err >= 0)) and bool(jnp.any(agg_err > 0))
     coef = jnp.full((T,), 0.05, jnp.float32)
     eps = jnp.full((T,), 1e-30, jnp.float32)
     tau = jnp.asarray(rng.uniform(-0.5, 1.0, T), jnp.float32)
@@ -137,7 +132,7 @@ def test_screen_matches_twin(single_piece, layout, bq, keys_major):
     ops = dense.prepare_operands(inp.q, inp.w, inp.k, inp.k_scale, 4)
     from dosa_jax.enclosure import key_norm_upper
     knorm = key_norm_upper(inp.k)
-    sops = screen.prepare_screen(cols, col_w, coef, eps, tau, prune, ops.k.shape[-1],
+    sops = screen.prepare_screen(rows, row_w, agg, linear, coef, eps, tau, prune, ops.k.shape[-1],
                                  single_piece=single_piece, layout=layout, BQs=bq)
     assert sops.BQs % 4 == 0 and (bq is None or sops.BQs == bq)
     assert layout != "kh" or sops.Rp >= 16
@@ -145,8 +140,8 @@ def test_screen_matches_twin(single_piece, layout, bq, keys_major):
     assert sops.rows.shape[0] == (1 if single_piece else 2)
     surv = screen.screen(sops, inp.lo, inp.hi, ops.k, knorm, ops.scale, splits=2, capacity=512,
                          BK=16, keys_major=keys_major)
-    U = screen.screening_bound_reference(cols, col_w, coef, eps, ops.k, knorm, ops.scale,
-                                         single_piece=single_piece)
+    U = screen.screening_bound_reference(rows, row_w, agg, linear, coef, eps, ops.k, knorm,
+                                         ops.scale, single_piece=single_piece)
     m = np.asarray(screen.survivors_reference(U, tau, prune, inp.lo, inp.hi))
     # unpack the kernel's lists into a [T, N] mask
     got = np.zeros_like(m)
@@ -166,37 +161,6 @@ def test_screen_matches_twin(single_piece, layout, bq, keys_major):
     assert all(np.all(np.diff(x) > 0) for x in ids)            # ascending, distinct
 
 
-@pytest.mark.parametrize("single_piece", [False, True], ids=["two_pieces", "one_piece"])
-def test_screen_columns_bound_the_certificate(single_piece):
-    """In float64 on random keys: Σ_c a_c relu(c·k) equals Σ w̃ relu(y) − relu(z) (basic form)
-    and Σ w̃ relu(y) − z (absolute form, both signs), is ≥ the latter with one column, and
-    the bf16 rounding of a moves it by at most ‖a − bf16(a)‖·‖k‖ (the returned error)."""
-    rng = np.random.default_rng(7)
-    T, R, D, N = 6, 3, 16, 400
-    rows = jnp.asarray(rng.standard_normal((T, R, D)), jnp.float32)
-    row_w = jnp.asarray(rng.random((T, R)), jnp.float32)
-    agg = jnp.asarray(rng.standard_normal((T, 1, D)), jnp.float32)
-    linear = jnp.asarray([False, True] * 3)
-    k = rng.standard_normal((N, D))
-    f64 = lambda x: np.asarray(x, np.float64)
-    y = np.einsum("trd,nd->tnr", f64(rows), k)
-    z = np.einsum("td,nd->tn", f64(agg)[:, 0], k)
-    pos = np.sum(np.maximum(y, 0) * f64(row_w)[:, None, :], -1)
-    exact = pos - np.where(f64(linear)[:, None] > 0, z, np.maximum(z, 0))
-    for both in (True, False):
-        cols, col_w, _, err = screen.screen_columns(rows, row_w, agg, linear,
-                                                    single_piece=single_piece, both_signs=both)
-        u = np.sum(np.maximum(np.einsum("tcd,nd->tnc", f64(cols), k), 0)
-                   * f64(col_w)[:, None, :], -1)
-        slack = f64(err)[:, None] * np.linalg.norm(k, axis=1)[None, :] * (1 + 1e-6) + 1e-9
-        assert np.all(u >= exact - slack)
-        if both:
-            assert np.all(np.abs(u - exact) <= slack)
-        else:
-            assert np.all(np.abs(u - exact)[~np.asarray(linear)] <= slack[~np.asarray(linear)])
-    assert single_piece == bool(jnp.any(err > 0))
-
-
 def _assert_screening_bound_holds_on_every_key(inp, det):
     """The Pallas pipeline's screening bound (plan + kernel coefficient, one or two MMA pieces)
     is ≥ the kernels' score on every (query, key): checked on the twins, all keys. Without the
@@ -206,9 +170,10 @@ def _assert_screening_bound_holds_on_every_key(inp, det):
     from pallas_kernels.scoring import score_reference
     single = det["single_piece"]
     assert single == (inp.q.dtype == jnp.bfloat16)
+    plan = det["plan"]
     ops = dense.prepare_operands(inp.q, inp.w, inp.k, inp.k_scale, 4)
-    cols, col_w = det["screen_columns"]
-    U = screen.screening_bound_reference(cols, col_w, det["coef"], det["eps"], ops.k,
+    U = screen.screening_bound_reference(plan.rows, plan.row_weights, det["aggregate_rows"],
+                                         plan.aggregate_linear, det["coef"], det["eps"], ops.k,
                                          key_norm_upper(inp.k), ops.scale, single_piece=single)
     s = score_reference(mma_pieces(inp.q), inp.w, mma_pieces(inp.k), inp.k_scale)
     U, s = np.asarray(U), np.asarray(s)
