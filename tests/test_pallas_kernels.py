@@ -244,33 +244,42 @@ def test_dosa_pallas_equals_dense_pallas_bitwise(tiles):
 def test_anchor_and_hint_witnesses_raise_tau_and_keep_dosa_equal_to_dense():
     """Anchors (every 4th query answered densely first) and user hints (duplicates, negative,
     out-of-range and invisible ids) only add witnesses: DoSA == dense bitwise, τ never falls,
-    an anchor's τ is its own τ*, and fewer keys survive."""
-    inp = synthetic.structured(T=16, N=1200, H=8, D=32, seed=5, key_dtype="float8_e4m3fn",
+    an anchor's τ is its own τ*, fewer keys survive."""
+    inp = synthetic.structured(T=16, N=800, H=8, D=32, seed=5, key_dtype="float8_e4m3fn",
                                query_dtype="bfloat16")
     args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)
     cfg = Config(top_k=32, retained_heads=6, seed_size=64, capacity=1024)
     didx, dsc = pipeline.dense_topk(*args, cfg, tiles=TILES_KC, splits=2)
     _, _, st0 = pipeline.dosa_topk(*args, cfg, tiles=TILES_KC, splits=2)
     hint = jnp.concatenate([didx[::-1, :40], jnp.full((16, 3), -5, jnp.int32),
-                            jnp.full((16, 2), 1200 + 7, jnp.int32),
+                            jnp.full((16, 2), 800 + 7, jnp.int32),
                             jnp.full((16, 2), 2 ** 30, jnp.int32)], axis=1)
     acfg = cfg.replace(anchor_stride=4)
-    for c, h in ((acfg, None), (cfg, hint), (acfg, hint)):
-        idx, sc, st = pipeline.dosa_topk(*args, c, tiles=TILES_KC, splits=2, hint=h)
-        np.testing.assert_array_equal(np.asarray(idx), np.asarray(didx))
-        np.testing.assert_array_equal(np.asarray(sc), np.asarray(dsc))
-        both = np.asarray(st.pruning & st0.pruning)
-        assert both.sum() >= 8
-        assert np.all(np.asarray(st.tau_seed)[both] >= np.asarray(st0.tau_seed)[both])
-        assert int(jnp.sum(st.survivors)) < int(jnp.sum(st0.survivors))
-    _, _, st = pipeline.dosa_topk(*args, acfg, tiles=TILES_KC, splits=2)
-    # in two waves the anchors (all scanned before the waves) give every query the same τ
-    idx, sc, stw = pipeline.dosa_topk(*args, acfg, tiles=TILES_KC, splits=2, wave=8)
+    idx, sc, st = pipeline.dosa_topk(*args, acfg, tiles=TILES_KC, splits=2, hint=hint)
     np.testing.assert_array_equal(np.asarray(idx), np.asarray(didx))
-    np.testing.assert_array_equal(np.asarray(stw.tau_seed), np.asarray(st.tau_seed))
+    np.testing.assert_array_equal(np.asarray(sc), np.asarray(dsc))
+    both = np.asarray(st.pruning & st0.pruning)
+    assert both.sum() >= 8
+    assert np.all(np.asarray(st.tau_seed)[both] >= np.asarray(st0.tau_seed)[both])
+    assert int(jnp.sum(st.survivors)) < int(jnp.sum(st0.survivors))
     anchors = np.asarray(st.pruning)[::4]
+    assert anchors.sum() >= 2
     np.testing.assert_array_equal(np.asarray(st.tau_seed)[::4][anchors],
                                   np.asarray(dsc)[::4, -1][anchors])
+
+
+def test_group_witnesses_per_wave_follow_their_queries():
+    """Anchor Top-K rows go to the groups whose first query they precede (stride not a multiple
+    of 4 included); hints are unioned per group without repeats."""
+    from pallas_kernels.seeds import group_witnesses
+    anchor = jnp.arange(5)[:, None] * 100 + jnp.arange(3)[None, :]      # anchors 0, 6, 12, 18, 24
+    w = np.asarray(group_witnesses(28, anchor_topk=anchor, anchor_stride=6))
+    assert [int(r[0]) // 100 for r in w] == [(4 * g) // 6 for g in range(7)]
+    hint = jnp.asarray([[5, 5, -1], [7, 5, 3], [9, 9, 9], [1, 2, 3], [4, 4, 4]], jnp.int32)
+    w = np.asarray(group_witnesses(8, hint=hint, anchor_topk=anchor[:2], anchor_stride=6))
+    assert sorted(int(x) for x in w[0] if x >= 0) == [0, 1, 2, 3, 5, 7, 9]
+    assert sorted(int(x) for x in w[1] if x >= 0) == [0, 1, 2, 4]
+    assert group_witnesses(8) is None
 
 
 def test_group_seed_lists_with_witnesses_count_each_visible_key_once():
