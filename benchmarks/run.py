@@ -405,8 +405,8 @@ def dosa_sweep_section(res, shape, data, iters, specs):
 def write_report(res, path):
     lines = [f"# DoSA Pallas benchmark ({res['date']})", "",
              f"device: {res['device']}; jax {res['jax']}; commit {res['commit']}; "
-             f"DoSA config: Config(top_k=2048) with each row's seeds[/anchor stride] after the tiles "
-             f"(default {BENCH_SEEDS} seeds), budgets r with r + A a power of two", ""]
+             f"DoSA config: Config(top_k=2048) with each row's seeds[/anchor stride] after the "
+             f"tiles (default {BENCH_SEEDS} seeds), budgets r with r + A a power of two", ""]
     if "peak" in res:
         p = res["peak"]
         lines += [f"XLA matmul 8192^3: fp8 {p['matmul_fp8_tflops']:.0f} TFLOP/s, "

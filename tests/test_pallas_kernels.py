@@ -241,29 +241,37 @@ def test_dosa_pallas_equals_dense_pallas_bitwise(tiles):
                                np.asarray(key_to_score(tau_twin)), rtol=1e-5)
 
 
-def test_anchor_and_hint_witnesses_raise_tau_and_keep_dosa_equal_to_dense():
+def test_anchor_and_hint_witnesses_keep_dosa_equal_to_dense():
     """Anchors (every 4th query answered densely first) and user hints (duplicates, negative,
-    out-of-range and invisible ids) only add witnesses: DoSA == dense bitwise, τ never falls,
-    an anchor's τ is its own τ*, fewer keys survive."""
-    inp = synthetic.structured(T=16, N=800, H=8, D=32, seed=5, key_dtype="float8_e4m3fn",
+    out-of-range and invisible ids) only add witnesses: DoSA == dense bitwise, τ is at least
+    the layout seeds' τ (twin) and the τ of a query that is its group's anchor is its τ*. (That witnesses lower survival
+    is checked on the reference backend, tests/test_api.py, and measured on the H200.)"""
+    from pallas_kernels import seeds
+    from pallas_kernels.scoring import score_reference
+    from dosa_jax.selection import key_to_score
+    # the bitwise test's inputs and tiles (shared interpret-mode compilations); anchors 0, 2, 4, 6
+    inp = synthetic.structured(T=8, N=1500, H=8, D=32, seed=3, key_dtype="float8_e4m3fn",
                                query_dtype="bfloat16")
     args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)
-    cfg = Config(top_k=32, retained_heads=6, seed_size=64, capacity=1024)
+    cfg = Config(top_k=32, retained_heads=6, seed_size=256, capacity=1024, anchor_stride=2)
     didx, dsc = pipeline.dense_topk(*args, cfg, tiles=TILES_KC, splits=2)
-    _, _, st0 = pipeline.dosa_topk(*args, cfg, tiles=TILES_KC, splits=2)
-    hint = jnp.concatenate([didx[::-1, :40], jnp.full((16, 3), -5, jnp.int32),
-                            jnp.full((16, 2), 800 + 7, jnp.int32),
-                            jnp.full((16, 2), 2 ** 30, jnp.int32)], axis=1)
-    acfg = cfg.replace(anchor_stride=4)
-    idx, sc, st = pipeline.dosa_topk(*args, acfg, tiles=TILES_KC, splits=2, hint=hint)
+    hint = jnp.concatenate([didx[::-1, :40], jnp.full((8, 3), -5, jnp.int32),
+                            jnp.full((8, 2), 1500 + 7, jnp.int32),
+                            jnp.full((8, 2), 2 ** 30, jnp.int32)], axis=1)
+    idx, sc, st = pipeline.dosa_topk(*args, cfg, tiles=TILES_KC, splits=2, hint=hint)
     np.testing.assert_array_equal(np.asarray(idx), np.asarray(didx))
     np.testing.assert_array_equal(np.asarray(sc), np.asarray(dsc))
-    both = np.asarray(st.pruning & st0.pruning)
-    assert both.sum() >= 8
-    assert np.all(np.asarray(st.tau_seed)[both] >= np.asarray(st0.tau_seed)[both])
-    assert int(jnp.sum(st.survivors)) < int(jnp.sum(st0.survivors))
-    anchors = np.asarray(st.pruning)[::4]
-    assert anchors.sum() >= 2
+    assert int(jnp.sum(st.pruning)) >= 6
+    lists, cnt, _ = seeds.group_seed_lists(inp.lo, inp.hi, 8, *pipeline.seed_sizes(cfg),
+                                           TILES_KC.BK)
+    twin = seeds.seed_scores_reference(mma_pieces(inp.q), inp.w, mma_pieces(inp.k), inp.k_scale,
+                                       lists, cnt)
+    tau0 = np.asarray(key_to_score(seeds.kth_largest_keys(twin, 32)[0]))
+    ok = np.asarray(st.pruning)
+    assert np.all(np.asarray(st.tau_seed)[ok] >= tau0[ok] - 1e-5 * (1 + np.abs(tau0[ok])))
+    assert np.sum(np.asarray(st.tau_seed)[ok] > tau0[ok] + 1e-3) >= 4    # witnesses raised τ
+    anchors = ok[::4]     # a group takes its first query's anchor: queries 0 and 4 get their own
+    assert anchors.sum() == 2
     np.testing.assert_array_equal(np.asarray(st.tau_seed)[::4][anchors],
                                   np.asarray(dsc)[::4, -1][anchors])
 
