@@ -223,7 +223,6 @@ def _best(res, section):
 
 
 def shape_section(res, shape, data, iters, with_xla=True, tiles_spec="", stages=True):
-    from dosa_jax.config import Config
     from pallas_kernels import dense as dense_mod
     from pallas_kernels import pipeline
     if tiles_spec == "best":     # the fastest dense configuration of this run's sweep
@@ -275,10 +274,11 @@ def shape_section(res, shape, data, iters, with_xla=True, tiles_spec="", stages=
     out["overflows"] = int(np.asarray(st.overflows).sum())
     Tw = pipeline.wave_size(shape.T, shape.N)
     S = dense_mod.default_splits(Tw, shape.N, 4, tiles.BK)
+    from pallas_kernels.seeds import seed_list_length
     out["workspace"] = workspace_bytes(      # one wave's lists, records and seed lists
         dict(splits=S, Cs=pipeline.survivor_capacity(shape.N, Tw, S, K),
-             seeds_list=-(-(cfg.seeds() + 64) // 64) * 64
-             + (-(-K // 64) * 64 if cfg.anchors(Tw) else 0)), Tw, K)
+             seeds_list=seed_list_length(cfg.seeds(), tiles.BK, K if cfg.anchors(Tw) else 0)),
+        Tw, K)
     try:  # what XLA allocates for the DoSA call beyond inputs and outputs (measured, not computed)
         ma = f_dosa.lower(*args).compile().memory_analysis()
         out["workspace_xla_temp_bytes"] = int(ma.temp_size_in_bytes)
@@ -369,7 +369,6 @@ def sweep_section(res, shape, data, iters, specs):
 def dosa_sweep_section(res, shape, data, iters, specs):
     """DoSA configurations (scoring tiles, screening kernel, seed count): time, survival, and
     bitwise equality with the dense kernel of the same scoring tiles."""
-    from dosa_jax.config import Config
     from pallas_kernels import pipeline
     inp = make_inputs(shape, data)
     args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)

@@ -121,6 +121,17 @@ def keys_rows_dot(k_pieces, q_pieces, pairs, fp8_mma: bool = False):
     return x
 
 
+def rows_keys_dot(q_pieces, k_pieces, pairs, fp8_mma: bool = False):
+    """Σ over the piece pairs of q_a · k_bᵀ, inside a kernel: [n, D] × [BK, D] -> [n, BK]
+    float32, query rows as MMA rows (the ``"hk"`` layout)."""
+    x = None
+    for a, b in pairs:
+        d = jnp.dot(as_mma_operand(q_pieces[a], fp8_mma), as_mma_operand(k_pieces[b], fp8_mma).T,
+                    preferred_element_type=jnp.float32)
+        x = d if x is None else x + d
+    return x
+
+
 def unpack_entries(e, valid):
     """(valid, key id, query mask) of packed list entries ``id | mask << ID_BITS`` (−1: none);
     ids and masks are 0 on invalid lanes, so gathers by the ids stay in bounds."""

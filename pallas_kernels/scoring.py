@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import as_mma_operand, keys_rows_dot, pieces_value, piece_pairs
+from pallas_kernels.common import keys_rows_dot, pieces_value, piece_pairs, rows_keys_dot
 
 Array = jax.Array
 
@@ -87,11 +87,7 @@ def score_tile(q_pieces, w_rows, k_pieces, scale, *, BQ: int, H: int, pairs,
         y = jnp.maximum(x, 0.0) * w_rows[None, :]
         s = jnp.sum(y.reshape(bk, BQ, H), axis=2).T                  # [BQ, BK]
     else:
-        x = None
-        for a, b in pairs:
-            d = jnp.dot(as_mma_operand(q_pieces[a], fp8_mma),
-                        as_mma_operand(k_pieces[b], fp8_mma).T, preferred_element_type=jnp.float32)
-            x = d if x is None else x + d
+        x = rows_keys_dot(q_pieces, k_pieces, pairs, fp8_mma)      # [BQ*H, BK]
         bk = x.shape[-1]
         y = jnp.maximum(x, 0.0) * w_rows[:, None]
         s = jnp.sum(y.reshape(BQ, H, bk), axis=1)

@@ -40,9 +40,9 @@ from jax.experimental import pallas as pl
 
 from dosa_jax import numerics as nm
 from pallas_kernels import records as rec
-from pallas_kernels.common import (ID_BITS, as_mma_operand, compiler_params, interpret_default,
-                                   keys_rows_dot, next_pow2, pad_axis, piece_pairs, round_up,
-                                   row_pieces, split_key_tiles)
+from pallas_kernels.common import (ID_BITS, compiler_params, interpret_default, keys_rows_dot,
+                                   next_pow2, pad_axis, piece_pairs, round_up, row_pieces,
+                                   rows_keys_dot, split_key_tiles)
 
 Array = jax.Array
 #: Relative upward nudge of the final bound (covers the last roundings: α·v, the sum).
@@ -169,11 +169,7 @@ def bound_tile(r_pieces, row_w, agg_m, k_pieces, knorm, scale, linear, coef, eps
             return _bound_from_sums(pos, z, knorm, scale, linear, coef, eps, keys_major=True)
         pos, z = pos.T, z.T
     else:
-        y = None
-        for a, b in pairs:
-            d = jnp.dot(as_mma_operand(r_pieces[a]), as_mma_operand(k_pieces[b]).T,
-                        preferred_element_type=jnp.float32)
-            y = d if y is None else y + d
+        y = rows_keys_dot(r_pieces, k_pieces, pairs)                  # [BQs*Rp, BK]
         bk = y.shape[-1]
         pos = jnp.sum((jnp.maximum(y, 0.0) * row_w[:, None]).reshape(BQs, Rp, bk), axis=1)
         z = jnp.sum((y * agg_m[:, None]).reshape(BQs, Rp, bk), axis=1)

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from dosa_jax.seeds import distinct_visible
 from dosa_jax.selection import INT32_MIN, order_key
 from pallas_kernels import records as rec
 from pallas_kernels.common import (ID_BITS, THETA_NONE, cdiv, compiler_params, interpret_default,
@@ -48,6 +49,22 @@ Array = jax.Array
 SEED_TILES = 8
 #: Bits decided per pass of :func:`kth_largest_keys` (2^bits − 1 counts per pass).
 RADIX_BITS = 4
+#: Keys by which a group's ranges may differ at either end and still share one layout.
+SPREAD = 64
+
+
+def seed_list_length(size: int, block: int, witnesses: int = 0) -> int:
+    """Slots L' of a group seed list: the layout of ``size`` seeds (+ :data:`SPREAD`) and
+    ``witnesses`` extra ids, each rounded up to whole tiles of ``block`` keys."""
+    return round_up(size + SPREAD, block) + (round_up(witnesses, block) if witnesses else 0)
+
+
+def _group_visibility(ids, lo4, hi4, valid):
+    """Which of a group's 4 queries see each id: ([G4, 4, n] bool, [G4, n] int32 mask bits)."""
+    inside = (ids[:, None, :] >= lo4[:, :, None]) & (ids[:, None, :] < hi4[:, :, None])
+    vis = inside & valid[:, None]
+    bits = jnp.sum(vis.astype(jnp.int32) << jnp.arange(4, dtype=jnp.int32)[None, :, None], axis=1)
+    return vis, bits
 
 
 # ------------------------------------------------------------------ seed lists
@@ -83,14 +100,13 @@ def group_seed_lists(lo: Array, hi: Array, Tpad: int, size: int, sinks: int, loc
     lo_min = jnp.min(jnp.where(ne, lo4, 2 ** 31 - 1), axis=1)
     hi_max = jnp.max(jnp.where(ne, hi4, 0), axis=1)
     hi_min = jnp.min(jnp.where(ne, hi4, 2 ** 31 - 1), axis=1)
-    spread = 64
     a = min(sinks, size)
     b = min(local, size - a)
     c = size - a - b
-    L = round_up(size + spread, block)
+    L = seed_list_length(size, block)
     j = jnp.arange(L, dtype=jnp.int32)[None, :]
     small = (hi_max - lo_min) <= L
-    loc_start = jnp.maximum(hi_min - b, hi_max - b - spread)
+    loc_start = jnp.maximum(hi_min - b, hi_max - b - SPREAD)
     mid_lo = lo_min + a
     mid_n = jnp.maximum(loc_start - mid_lo, 0)
     stride = jnp.maximum(mid_n // max(c, 1), 1)
@@ -103,8 +119,7 @@ def group_seed_lists(lo: Array, hi: Array, Tpad: int, size: int, sinks: int, loc
     ids = jnp.where(small[:, None], lo_min[:, None] + j, ids)
     ok = jnp.where(small[:, None], j < (hi_max - lo_min)[:, None], ok)
     ok = ok & jnp.any(ne, axis=1)[:, None]
-    vis = (ids[:, None, :] >= lo4[:, :, None]) & (ids[:, None, :] < hi4[:, :, None]) & ok[:, None]
-    bits = jnp.sum(vis.astype(jnp.int32) << jnp.arange(4, dtype=jnp.int32)[None, :, None], axis=1)
+    vis, bits = _group_visibility(ids, lo4, hi4, ok)
     keep = ok & (bits > 0)
     # compact kept entries to the front (keeps ascending order)
     order = jnp.argsort(~keep, axis=1, stable=True)
@@ -119,24 +134,24 @@ def group_seed_lists(lo: Array, hi: Array, Tpad: int, size: int, sinks: int, loc
             small[:, None], (wid >= lm) & (wid < hm),
             ((wid >= lm) & (wid < lm + a)) | ((wid >= ls) & (wid < hm))
             | ((off >= 0) & (off < c * st) & (off % st == 0)))
-        wvis = ((wid[:, None, :] >= lo4[:, :, None]) & (wid[:, None, :] < hi4[:, :, None])
-                & (wid >= 0)[:, None, :] & ~in_layout[:, None, :])
-        wbits = jnp.sum(wvis.astype(jnp.int32) << jnp.arange(4, dtype=jnp.int32)[None, :, None],
-                        axis=1)
-        W = round_up(wid.shape[1], block)
+        wvis, wbits = _group_visibility(wid, lo4, hi4, (wid >= 0) & ~in_layout)
+        Lw = seed_list_length(size, block, wid.shape[1])
         went = jnp.pad(jnp.where(wbits > 0, wid | (wbits << ID_BITS), -1),
-                       ((0, 0), (0, W - wid.shape[1])), constant_values=-1)
+                       ((0, 0), (0, Lw - L - wid.shape[1])), constant_values=-1)
         packed = jnp.concatenate([packed, went], axis=1)
-        count = jnp.full_like(count, L + W)
+        count = jnp.full_like(count, Lw)
         seeds = seeds + jnp.sum(wvis, axis=2).reshape(Tpad).astype(jnp.int32)
     return packed[:, None, :], count[:, None], seeds
 
 
 def distinct_rows(ids: Array) -> Array:
-    """Each row's distinct non-negative ids (sorted), repeats and negatives replaced by −1."""
-    s = jnp.sort(ids.astype(jnp.int32), axis=1)
-    rep = jnp.concatenate([jnp.zeros_like(s[:, :1], bool), s[:, 1:] == s[:, :-1]], axis=1)
-    return jnp.where(rep | (s < 0), -1, s)
+    """Each row's non-negative ids with repeats and negatives replaced by −1
+    (:func:`dosa_jax.seeds.distinct_visible` over [0, 2^31 − 1))."""
+    ids = ids.astype(jnp.int32)
+    rows = ids.shape[0]
+    first = distinct_visible(ids, jnp.zeros((rows,), jnp.int32),
+                             jnp.full((rows,), jnp.iinfo(jnp.int32).max, jnp.int32))
+    return jnp.where(first, ids, -1)
 
 
 def group_witnesses(Tpad: int, hint=None, anchor_topk=None, anchor_stride: int = 0):

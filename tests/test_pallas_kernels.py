@@ -244,10 +244,10 @@ def test_dosa_pallas_equals_dense_pallas_bitwise(tiles):
 def test_anchor_and_hint_witnesses_keep_dosa_equal_to_dense():
     """Anchors (every 4th query answered densely first) and user hints (duplicates, negative,
     out-of-range and invisible ids) only add witnesses: DoSA == dense bitwise, τ is at least
-    the layout seeds' τ (twin) and the τ of a query that is its group's anchor is its τ*. (That witnesses lower survival
-    is checked on the reference backend, tests/test_api.py, and measured on the H200.)"""
+    the layout seeds' τ (twin) and the τ of a query that is its group's anchor is its τ*.
+    (That witnesses lower survival is checked on the reference backend, tests/test_api.py,
+    and measured on the H200.)"""
     from pallas_kernels import seeds
-    from pallas_kernels.scoring import score_reference
     from dosa_jax.selection import key_to_score
     # the bitwise test's inputs and tiles (shared interpret-mode compilations); anchors 0, 2, 4, 6
     inp = synthetic.structured(T=8, N=1500, H=8, D=32, seed=3, key_dtype="float8_e4m3fn",
@@ -276,7 +276,7 @@ def test_anchor_and_hint_witnesses_keep_dosa_equal_to_dense():
                                   np.asarray(dsc)[::4, -1][anchors])
 
 
-def test_group_witnesses_per_wave_follow_their_queries():
+def test_group_witnesses_follow_their_queries():
     """Anchor Top-K rows go to the groups whose first query they precede (stride not a multiple
     of 4 included); hints are unioned per group without repeats."""
     from pallas_kernels.seeds import group_witnesses
