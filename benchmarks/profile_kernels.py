@@ -83,7 +83,8 @@ def main(argv=None):
 
     def scan(tiles, theta):
         def f(q, k, w, sc, lo, hi):
-            ops = dm.prepare_operands(q, w, k, sc, tiles.BQ, jnp.bfloat16, tiles.layout)
+            ops = dm.prepare_operands(q, w, k, sc, tiles.BQ, jnp.bfloat16, tiles.layout,
+                                      tiles.widen_fp8)
             S = dm.default_splits(q.shape[0], k.shape[0], tiles.BQ, tiles.BK)
             th = jnp.full((q.shape[0],), theta, jnp.int32)
             c = dm.dense_candidates(ops, lo, hi, th, shape.K, splits=S, tiles=tiles)

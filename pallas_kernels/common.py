@@ -18,6 +18,15 @@ they are fed as one piece; float32/float16 values are split into two bf16
 pieces ``x ≈ hi + lo`` (``|x − hi − lo| ≤ 2^-16 |x|``) and a dot becomes
 ``hi·hi + hi·lo + lo·hi`` (three MMAs, fixed order). The representation error
 is part of the kernels' error coefficient (:mod:`pallas_kernels.numerics`).
+
+FP8 operands are widened to bf16 *once, before the kernels* (``widen_fp8``,
+the default; exact, so the scores are the same): an fp8 key tile cannot be an
+MMA operand of a bf16 ``wgmma`` as it is, and converting it inside the kernel
+made Triton (sm_90) read the tile from shared memory two bytes at a time
+(``LDS.U16`` + ``F2FP`` unpacks into registers, 8-byte ``cp.async``) on the
+critical path of every key tile; widened bf16 tiles are fed to ``wgmma``
+straight from shared memory (16-byte ``cp.async``, no register pass). The
+price is a bf16 copy of the keys (2 bytes per element instead of 1).
 """
 
 from __future__ import annotations
@@ -74,10 +83,12 @@ def cdiv(a, b):
     return (a + b - 1) // b
 
 
-def mma_pieces(x: Array, mma_dtype=BF16) -> Array:
+def mma_pieces(x: Array, mma_dtype=BF16, widen_fp8: bool = True) -> Array:
     """Stack of MMA operand pieces [P, ...] whose sum represents ``x``.
 
-    bf16/fp8 inputs (and fp8 inputs when ``mma_dtype`` is fp8): one exact piece.
+    bf16/fp8 inputs (and fp8 inputs when ``mma_dtype`` is fp8): one exact piece; an fp8
+    piece for a bf16 MMA is widened to bf16 here (``widen_fp8``) or kept as fp8 and
+    converted inside the kernel (half the bytes read, but a slow register path on sm_90).
     float32/float16: hi = bf16(x), lo = bf16(x − hi).
     """
     mma_dtype = jnp.dtype(mma_dtype)
@@ -89,7 +100,7 @@ def mma_pieces(x: Array, mma_dtype=BF16) -> Array:
     if dt == BF16:
         return x[None]
     if dt == FP8:
-        return x[None]   # exact in bf16: converted inside the kernel (half the bytes read)
+        return (x.astype(BF16) if widen_fp8 else x)[None]   # exact in bf16
     xf = x.astype(jnp.float32)
     hi = xf.astype(BF16)
     lo = (xf - hi.astype(jnp.float32)).astype(BF16)

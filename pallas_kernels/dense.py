@@ -62,6 +62,9 @@ class Tiles(NamedTuple):
     # orientation), else transpose the two row sums to [BQs, BK] first
     screen_keys_major: bool = True
     screen_bk: int = 0       # keys per screening tile (0: BK)
+    # FP8 keys (and queries) widened to bf16 once before the kernels (exact; common.mma_pieces)
+    # instead of converted tile by tile inside them
+    widen_fp8: bool = True
 
 
 #: MMA layouts of the scoring and screening tiles (:func:`pallas_kernels.scoring.score_tile`).
@@ -114,10 +117,12 @@ class Operands(NamedTuple):
 
 
 def prepare_operands(q, w, k, k_scale, BQ: int, mma_dtype=jnp.bfloat16,
-                     layout: str = "hk") -> Operands:
+                     layout: str = "hk", widen_fp8: bool = True) -> Operands:
     """Pieces, pads (heads to a power of two with zero weights, D to ≥ 16, T to BQ).
 
     ``layout="kh"`` multiplies keys by one query's H heads, so H is padded to ≥ 16.
+    ``widen_fp8``: FP8 operands of a bf16 MMA become bf16 pieces here
+    (:func:`pallas_kernels.common.mma_pieces`).
     """
     T, H, D = q.shape
     Hp = next_pow2(max(H, 1))
@@ -125,8 +130,8 @@ def prepare_operands(q, w, k, k_scale, BQ: int, mma_dtype=jnp.bfloat16,
         Hp *= 2
     Dp = max(16, next_pow2(D))
     Tpad = round_up(max(T, 1), BQ)
-    qp = mma_pieces(q, mma_dtype)
-    kp = mma_pieces(k, mma_dtype)
+    qp = mma_pieces(q, mma_dtype, widen_fp8)
+    kp = mma_pieces(k, mma_dtype, widen_fp8)
     qp = pad_axis(pad_axis(pad_axis(qp, 3, Dp), 2, Hp), 1, Tpad)
     kp = pad_axis(kp, 2, Dp)
     wp = pad_axis(pad_axis(w.astype(jnp.float32), 1, Hp), 0, Tpad)
@@ -274,7 +279,7 @@ def dense_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), spli
     T = q.shape[0]
     N = k.shape[0]
     check_tiles(tiles)
-    ops = prepare_operands(q, w, k, k_scale, tiles.BQ, mma_dtype, tiles.layout)
+    ops = prepare_operands(q, w, k, k_scale, tiles.BQ, mma_dtype, tiles.layout, tiles.widen_fp8)
     S = splits or default_splits(T, N, tiles.BQ, tiles.BK)
     theta0 = jnp.full((T,), THETA_NONE, jnp.int32)
     cand = dense_candidates(ops, lo, hi, theta0, K, splits=S,

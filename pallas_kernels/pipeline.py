@@ -260,7 +260,8 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     single = jnp.dtype(q.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn))
     config = screen_friendly(config, H, A=2 if single else 1)
     S = splits or dense_mod.default_splits(T, N, tiles.BQ, tiles.BK)
-    ops = prepare_operands(q, w, k, k_scale, tiles.BQ, layout=tiles.layout)
+    ops = prepare_operands(q, w, k, k_scale, tiles.BQ, layout=tiles.layout,
+                           widen_fp8=tiles.widen_fp8)
     Tpad4 = ops.q.shape[1] // ops.H
     G4 = Tpad4 // 4
     lo = lo.astype(jnp.int32)

@@ -432,8 +432,9 @@ def test_operand_pieces_represent_float32():
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 @pytest.mark.parametrize("tiles", [
     dense.Tiles(BK=64, num_stages=2, layout="hk", screen_layout="hk"), dense.Tiles(),
-    dense.Tiles(BK=128, num_stages=3, layout="kh", screen_layout="kh", screen_bq=8)],
-    ids=["hk", "default", "kh_bq8"])
+    dense.Tiles(BK=128, num_stages=3, layout="kh", screen_layout="kh", screen_bq=8),
+    dense.Tiles(widen_fp8=False)],
+    ids=["hk", "default", "kh_bq8", "fp8_in_kernel"])
 def test_gpu_dense_and_dosa_bitwise_and_vs_twin(tiles):
     inp = synthetic.structured(T=256, N=32768, H=32, D=128, seed=5, key_dtype="float8_e4m3fn",
                                query_dtype="bfloat16")
@@ -449,6 +450,21 @@ def test_gpu_dense_and_dosa_bitwise_and_vs_twin(tiles):
     widx, wsc, _ = jax.jit(lambda *a: pipeline.dosa_topk(*a, cfg, tiles=tiles, wave=64))(*args)
     np.testing.assert_array_equal(np.asarray(widx), np.asarray(didx))
     np.testing.assert_array_equal(np.asarray(wsc), np.asarray(dsc))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+def test_gpu_widened_fp8_keys_score_bitwise_as_in_kernel_conversion():
+    """fp8 keys widened to bf16 before the kernels (the default) give the very scores of
+    fp8 tiles converted inside the kernel: the same bf16 operand values, the same MMA."""
+    inp = synthetic.structured(T=64, N=8192, H=32, D=128, seed=6, key_dtype="float8_e4m3fn",
+                               query_dtype="bfloat16")
+    cfg = Config(top_k=512)
+    args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)
+    out = [jax.jit(lambda *a, t=t: dense.dense_topk(*a, cfg, tiles=t))(*args)
+           for t in (dense.Tiles(), dense.Tiles(widen_fp8=False))]
+    np.testing.assert_array_equal(np.asarray(out[0][0]), np.asarray(out[1][0]))
+    np.testing.assert_array_equal(np.asarray(out[0][1]), np.asarray(out[1][1]))
 
 
 @pytest.mark.gpu
@@ -493,7 +509,9 @@ def test_benchmark_specs_parse_tiles_seeds_and_anchors():
         "kh", 128, 3, 8, False, 32)
     cfg = o.config(2048)
     assert (cfg.seed_size, cfg.anchor_stride, cfg.backend) == (8192, 64, "pallas")
-    assert tiles_name(t, o).endswith("/8192/64")
+    assert tiles_name(t, o).endswith("/8192/64") and t.widen_fp8
+    t, _ = parse_tiles("kc:64:4:3:kc:4:4:1:0:0")
+    assert not t.widen_fp8 and parse_tiles(tiles_name(t))[0] == t
     t, o = parse_tiles("")
     assert t == dense.Tiles() and (o.seeds, o.anchor) == (BENCH_SEEDS, 0)
     assert parse_tiles("/4096")[1].config(8).anchors(4096) == 0
