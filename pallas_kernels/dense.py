@@ -62,6 +62,10 @@ class Tiles(NamedTuple):
     # orientation), else transpose the two row sums to [BQs, BK] first
     screen_keys_major: bool = True
     screen_bk: int = 0       # keys per screening tile (0: BK)
+    # keys per refinement tile (0: BK). The kc scores of a key do not depend on the tile's
+    # key count (each key is one MMA row; the head sum runs along its row), which the GPU
+    # tests check bitwise (DoSA with refine_bk != BK against the dense kernel)
+    refine_bk: int = 0
     # FP8 keys (and queries) widened to bf16 once before the kernels (exact; common.mma_pieces)
     # instead of converted tile by tile inside them
     widen_fp8: bool = True
@@ -84,8 +88,13 @@ def check_tiles(tiles: Tiles) -> Tiles:
             raise ValueError(f"tiles.{f} must be a power of two, got {v}")
     if tiles.BK < 16:
         raise ValueError(f"tiles.BK must be >= 16 (an MMA dimension), got {tiles.BK}")
-    if tiles.screen_bk and (tiles.screen_bk < 16 or tiles.screen_bk & (tiles.screen_bk - 1)):
-        raise ValueError(f"tiles.screen_bk must be 0 or a power of two >= 16, got {tiles.screen_bk}")
+    for f in ("screen_bk", "refine_bk"):
+        v = getattr(tiles, f)
+        if v and (v < 16 or v & (v - 1)):
+            raise ValueError(f"tiles.{f} must be 0 or a power of two >= 16, got {v}")
+    if tiles.refine_bk and tiles.layout != "kc":
+        raise ValueError("tiles.refine_bk needs tiles.layout='kc' (rows of keys: scores that do "
+                         f"not depend on the tile's key count), got {tiles.layout!r}")
     if tiles.screen_bq < 0 or tiles.screen_bq % 4:
         raise ValueError(f"tiles.screen_bq must be 0 or a multiple of 4, got {tiles.screen_bq}")
     if tiles.num_warps not in (1, 2, 4, 8, 16) or tiles.screen_warps not in (1, 2, 4, 8, 16):

@@ -325,8 +325,10 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
         return dict(tau=tau, count=jnp.repeat(scount, 4, axis=0)[:T],
                     overflow=jnp.repeat(overflow_g, 4)[:T], direct=direct)
 
-    # 4. refine survivors: s ≥ τ records, online threshold
-    cand = refine(ops, slists, scount, theta_tau, K, tiles=tiles, interpret=interpret)
+    # 4. refine survivors: s ≥ τ records, online threshold (record buffers of the recovery's
+    # size, also when the refinement tiles are longer than the dense ones)
+    C = dense_mod.capacity_for(K, max(tiles.BK, tiles.refine_bk))
+    cand = refine(ops, slists, scount, theta_tau, K, capacity=C, tiles=tiles, interpret=interpret)
     if stop_after == "refine":
         return dict(tau=tau, count=cand.count[:T], key=cand.key[:T])
 
@@ -337,8 +339,8 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     def recover_fn(c):
         rlo = jnp.where(recover, lo, 0)
         rhi = jnp.where(recover, hi, 0)
-        d = dense_mod.dense_candidates(ops, rlo, rhi, theta_tau, K, splits=S, tiles=tiles,
-                                       interpret=interpret)
+        d = dense_mod.dense_candidates(ops, rlo, rhi, theta_tau, K, splits=S, capacity=C,
+                                       tiles=tiles, interpret=interpret)
         sel = recover[:, None, None]
         return dense_mod.Candidates(jnp.where(sel, d.key, c.key), jnp.where(sel, d.ids, c.ids),
                               jnp.where(recover[:, None], d.count, c.count),

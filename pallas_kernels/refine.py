@@ -126,6 +126,8 @@ def refine(ops: Operands, lists: Array, list_count: Array, theta0: Array, K: int
     """
     if tiles.BQ != 4:
         raise ValueError("refinement groups are 4 queries (tiles.BQ must be 4)")
+    if tiles.refine_bk:
+        tiles = tiles._replace(BK=tiles.refine_bk)
     if interpret is None:
         interpret = interpret_default()
     T = ops.T

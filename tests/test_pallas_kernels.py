@@ -29,7 +29,8 @@ TILES = dense.Tiles(BQ=4, BK=16, CH=32)
 TILES_KH = TILES._replace(layout="kh", screen_layout="kh")
 # keys as MMA rows, the queries' heads/rows concatenated (the default); 8 queries and 32 keys per
 # screen program (the screen's key tile differs from the scoring tiles')
-TILES_KC = TILES._replace(layout="kc", screen_layout="kc", screen_bq=8, screen_bk=32)
+TILES_KC = TILES._replace(layout="kc", screen_layout="kc", screen_bq=8, screen_bk=32,
+                          refine_bk=32)   # refinement tiles of 32 keys, dense of 16
 
 
 def _assert_topk_close(idx, sc, ridx, rsc, tol=1e-5):
@@ -433,8 +434,8 @@ def test_operand_pieces_represent_float32():
 @pytest.mark.parametrize("tiles", [
     dense.Tiles(BK=64, num_stages=2, layout="hk", screen_layout="hk"), dense.Tiles(),
     dense.Tiles(BK=128, num_stages=3, layout="kh", screen_layout="kh", screen_bq=8),
-    dense.Tiles(widen_fp8=False)],
-    ids=["hk", "default", "kh_bq8", "fp8_in_kernel"])
+    dense.Tiles(widen_fp8=False), dense.Tiles(refine_bk=128)],
+    ids=["hk", "default", "kh_bq8", "fp8_in_kernel", "refine_bk128"])
 def test_gpu_dense_and_dosa_bitwise_and_vs_twin(tiles):
     inp = synthetic.structured(T=256, N=32768, H=32, D=128, seed=5, key_dtype="float8_e4m3fn",
                                query_dtype="bfloat16")
@@ -491,6 +492,8 @@ def test_bad_tiles_are_rejected_naming_the_field():
                        (TILES._replace(BK=48), "tiles.BK"),
                        (TILES._replace(screen_bq=6), "tiles.screen_bq"),
                        (TILES._replace(screen_bk=24), "tiles.screen_bk"),
+                       (TILES_KC._replace(refine_bk=24), "tiles.refine_bk"),
+                       (TILES._replace(layout="hk", refine_bk=32), "tiles.refine_bk"),
                        (TILES._replace(screen_layout="rows"), "tiles.screen_layout")):
         with pytest.raises(ValueError, match=field):
             pipeline.dosa_topk(*args, tiles=bad)
@@ -510,8 +513,8 @@ def test_benchmark_specs_parse_tiles_seeds_and_anchors():
     cfg = o.config(2048)
     assert (cfg.seed_size, cfg.anchor_stride, cfg.backend) == (8192, 64, "pallas")
     assert tiles_name(t, o).endswith("/8192/64") and t.widen_fp8
-    t, _ = parse_tiles("kc:64:4:3:kc:4:4:1:0:0")
-    assert not t.widen_fp8 and parse_tiles(tiles_name(t))[0] == t
+    t, _ = parse_tiles("kc:64:4:3:kc:4:4:1:0:0:128")
+    assert not t.widen_fp8 and t.refine_bk == 128 and parse_tiles(tiles_name(t))[0] == t
     t, o = parse_tiles("")
     assert t == dense.Tiles() and (o.seeds, o.anchor) == (BENCH_SEEDS, 0)
     assert parse_tiles("/4096")[1].config(8).anchors(4096) == 0
