@@ -62,10 +62,15 @@ class Tiles(NamedTuple):
     # orientation), else transpose the two row sums to [BQs, BK] first
     screen_keys_major: bool = True
     screen_bk: int = 0       # keys per screening tile (0: BK)
-    # keys per refinement tile (0: BK). The kc scores of a key do not depend on the tile's
-    # key count (each key is one MMA row; the head sum runs along its row), which the GPU
-    # tests check bitwise (DoSA with refine_bk != BK against the dense kernel)
-    refine_bk: int = 0
+    # keys per refinement tile ("kc" layout only; 0: BK). 128 measured fastest on the H200
+    # (session 6: DoSA at T=4096, N=1M 177 -> 167 ms; the dense scan itself is slower with
+    # 128-key tiles). A key's kc score does not depend on the tile's key count (each key is
+    # one MMA row, its head sum runs along the row): the GPU tests check DoSA with
+    # refine_bk != BK bitwise against the dense kernel
+    refine_bk: int = 128
+    # screen and refinement load each tile's per-key operands one iteration ahead (the screen
+    # its key norms and scales, the refinement its list entries)
+    prefetch: bool = True
     # FP8 keys (and queries) widened to bf16 once before the kernels (exact; common.mma_pieces)
     # instead of converted tile by tile inside them
     widen_fp8: bool = True

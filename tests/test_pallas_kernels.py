@@ -24,7 +24,7 @@ from pallas_kernels.common import THETA_NONE, mma_pieces, on_gpu
 ON_GPU = on_gpu()
 # one pytest-xdist worker runs this file: its tests share interpret-mode compilations
 pytestmark = pytest.mark.xdist_group("pallas_kernels")
-TILES = dense.Tiles(BQ=4, BK=16, CH=32)
+TILES = dense.Tiles(BQ=4, BK=16, CH=32, refine_bk=0)
 # keys as MMA rows, one dot per query (score_tile's and the screen's second layout)
 TILES_KH = TILES._replace(layout="kh", screen_layout="kh")
 # keys as MMA rows, the queries' heads/rows concatenated (the default); 8 queries and 32 keys per
@@ -432,10 +432,10 @@ def test_operand_pieces_represent_float32():
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 @pytest.mark.parametrize("tiles", [
-    dense.Tiles(BK=64, num_stages=2, layout="hk", screen_layout="hk"), dense.Tiles(),
-    dense.Tiles(BK=128, num_stages=3, layout="kh", screen_layout="kh", screen_bq=8),
-    dense.Tiles(widen_fp8=False), dense.Tiles(refine_bk=128)],
-    ids=["hk", "default", "kh_bq8", "fp8_in_kernel", "refine_bk128"])
+    dense.Tiles(BK=64, num_stages=2, layout="hk", screen_layout="hk", refine_bk=0), dense.Tiles(),
+    dense.Tiles(BK=128, num_stages=3, layout="kh", screen_layout="kh", screen_bq=8, refine_bk=0),
+    dense.Tiles(widen_fp8=False), dense.Tiles(refine_bk=0, prefetch=False)],
+    ids=["hk", "default", "kh_bq8", "fp8_in_kernel", "refine_bk64_no_prefetch"])
 def test_gpu_dense_and_dosa_bitwise_and_vs_twin(tiles):
     inp = synthetic.structured(T=256, N=32768, H=32, D=128, seed=5, key_dtype="float8_e4m3fn",
                                query_dtype="bfloat16")
@@ -513,8 +513,9 @@ def test_benchmark_specs_parse_tiles_seeds_and_anchors():
     cfg = o.config(2048)
     assert (cfg.seed_size, cfg.anchor_stride, cfg.backend) == (8192, 64, "pallas")
     assert tiles_name(t, o).endswith("/8192/64") and t.widen_fp8
-    t, _ = parse_tiles("kc:64:4:3:kc:4:4:1:0:0:128")
-    assert not t.widen_fp8 and t.refine_bk == 128 and parse_tiles(tiles_name(t))[0] == t
+    t, _ = parse_tiles("kc:64:4:3:kc:4:4:1:0:0:64:0")
+    assert (t.widen_fp8, t.refine_bk, t.prefetch) == (False, 64, False)
+    assert parse_tiles(tiles_name(t))[0] == t
     t, o = parse_tiles("")
     assert t == dense.Tiles() and (o.seeds, o.anchor) == (BENCH_SEEDS, 0)
     assert parse_tiles("/4096")[1].config(8).anchors(4096) == 0
