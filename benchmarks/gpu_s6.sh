@@ -6,11 +6,12 @@
 #   FINAL=1: XLA / dense / DoSA at 128K and 1M (SHAPES), exact_topk and the peak.
 # Usage (device tool): bash benchmarks/gpu_s6.sh
 set -o pipefail
+mkdir -p $OUT
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used --format=csv 2>&1 | tee $OUT/log.txt
 if [ -z "${FINAL:-}" ]; then
   if [ -z "${NO_TESTS:-}" ]; then
-    timeout ${TEST_TIMEOUT:-170} python -m pytest -o addopts="" -q -x -m gpu \
+    timeout ${TEST_TIMEOUT:-170} python -m pytest -o addopts="" -q -x -m gpu -k "${TESTS_K:-}" \
       tests/test_pallas_kernels.py -p no:cacheprovider > $OUT/tests.txt 2>&1
     echo "pytest exit $?" | tee -a $OUT/log.txt; tail -3 $OUT/tests.txt
   fi

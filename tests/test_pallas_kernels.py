@@ -30,7 +30,7 @@ TILES_KH = TILES._replace(layout="kh", screen_layout="kh")
 # keys as MMA rows, the queries' heads/rows concatenated (the default); 8 queries and 32 keys per
 # screen program (the screen's key tile differs from the scoring tiles')
 TILES_KC = TILES._replace(layout="kc", screen_layout="kc", screen_bq=8, screen_bk=32,
-                          refine_bk=32)   # refinement tiles of 32 keys, dense of 16
+                          refine_bk=32)   # refinement tiles of 32 keys on a GPU (dense: 16)
 
 
 def _assert_topk_close(idx, sc, ridx, rsc, tol=1e-5):
@@ -240,6 +240,21 @@ def test_dosa_pallas_equals_dense_pallas_bitwise(tiles):
     from dosa_jax.selection import key_to_score
     np.testing.assert_allclose(np.asarray(key_to_score(det["tau_key"])),
                                np.asarray(key_to_score(tau_twin)), rtol=1e-5)
+
+
+def test_default_tiles_dosa_equals_dense_bitwise():
+    """The default tiles (128-key refinement tiles, prefetching, widened FP8 keys): DoSA ==
+    dense bitwise in interpret mode too (there the refinement keeps the dense tiles: XLA's CPU
+    dot may sum a 128-row tile in another order; this failed before that rule)."""
+    inp = synthetic.structured(T=8, N=1500, H=8, D=32, seed=3, key_dtype="float8_e4m3fn",
+                               query_dtype="bfloat16")
+    cfg = Config(top_k=32, retained_heads=6, seed_size=256, capacity=1024)
+    args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)
+    idx, sc, st = pipeline.dosa_topk(*args, cfg, splits=2)
+    didx, dsc = pipeline.dense_topk(*args, cfg, splits=2)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(didx))
+    np.testing.assert_array_equal(np.asarray(sc), np.asarray(dsc))
+    assert int(jnp.sum(st.pruning)) > 0 and int(jnp.sum(st.recoveries)) == 0
 
 
 def test_anchor_and_hint_witnesses_keep_dosa_equal_to_dense():
