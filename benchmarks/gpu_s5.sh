@@ -24,10 +24,7 @@ if [ -z "${FINAL:-}" ]; then
       > $OUT/sweep_$N/log.txt 2>&1; echo "sweep $N exit $?" | tee -a $OUT/log.txt
     grep dosa_sweep $OUT/sweep_$N/log.txt
   done
-else
-  timeout ${BENCH_TIMEOUT:-540} python -m benchmarks.run --data ${DATA:-trained:code:2} \
-    --sections shapes,select,peak --iters ${ITERS:-10} \
-    --shapes "${SHAPES:-prefill_T16k_N128k_H32@/8192/64,prefill_T16k_N1024k_H32@/8192/64}" \
-    --select-variants "" --out $OUT > $OUT/bench_log.txt 2>&1; echo "benchmark exit $?" | tee -a $OUT/log.txt
-  grep -v "^\s*$" $OUT/bench_log.txt | tail -30
+else   # the shapes section is session 6's script's (with session 5's anchored default)
+  SHAPES="${SHAPES:-prefill_T16k_N128k_H32@/8192/64,prefill_T16k_N1024k_H32@/8192/64}" \
+    bash "$(dirname "$0")/gpu_s6.sh"
 fi

@@ -37,15 +37,17 @@ Array = jax.Array
 class Tiles(NamedTuple):
     """Static tile configuration of the scoring kernels (dense, refine, seeds) and the screen.
 
-    Dense and refinement must use the *same* ``BQ``, ``BK``, ``num_warps`` and
-    ``layout`` so that their scores agree bitwise (one ``Tiles`` serves a whole call).
+    Dense and refinement must use the *same* ``BQ``, ``num_warps`` and ``layout`` so that their
+    scores agree bitwise (one ``Tiles`` serves a whole call); with the ``kc`` layout the
+    refinement's key count per tile may differ (``refine_bk``, checked bitwise on the GPU).
 
-    Defaults are the fastest configuration measured on the H200 (session 4, BENCHMARKS.md):
-    the ``kc`` layout (one [BK, D]×[D, 4·H] MMA per key tile for the 4 queries), 64-key tiles,
-    3 pipeline stages, and the ``kc`` screen of 4 queries evaluated keys-major. At T=16K, N=1M
-    this took DoSA from 1280 ms (session 3's ``kh``/128 tiles with the ``kh`` screen) to 927 ms
-    and the dense scan from 982 to 701 ms; 8-query screens, 32-key screen tiles and 8 screen
-    warps were slower.
+    Defaults are the fastest configuration measured on the H200 (sessions 4 and 6,
+    BENCHMARKS.md): the ``kc`` layout (one [BK, D]×[D, 4·H] MMA per key tile for the 4
+    queries), 64-key tiles (128 in the refinement), 3 pipeline stages, the ``kc`` screen of 4
+    queries evaluated keys-major, FP8 keys widened to bf16 before the kernels. At T=16K, N=1M
+    DoSA took 1280 ms with session 3's ``kh``/128 tiles, 927 ms with session 4's, 661 ms with
+    these; 8-query screens, 32- and 128-key screen tiles, 8 screen warps, 2 pipeline stages and
+    prefetching the next tile's per-key operands were slower.
     """
 
     BQ: int = 4          # queries per program (refinement group size, paper Sec. 3)
@@ -68,9 +70,6 @@ class Tiles(NamedTuple):
     # one MMA row, its head sum runs along the row): the GPU tests check DoSA with
     # refine_bk != BK bitwise against the dense kernel
     refine_bk: int = 128
-    # screen and refinement load each tile's per-key operands one iteration ahead (the screen
-    # its key norms and scales, the refinement its list entries)
-    prefetch: bool = True
     # FP8 keys (and queries) widened to bf16 once before the kernels (exact; common.mma_pieces)
     # instead of converted tile by tile inside them
     widen_fp8: bool = True

@@ -318,8 +318,7 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     surv = screen(sops, slo, shi, ops.k, knorm, ops.scale, splits=S, capacity=Cs,
                   BK=tiles.screen_bk or tiles.BK,
                   num_warps=tiles.screen_warps, num_stages=tiles.num_stages,
-                  keys_major=tiles.screen_keys_major, prefetch=tiles.prefetch,
-                  interpret=interpret)
+                  keys_major=tiles.screen_keys_major, interpret=interpret)
     slists, scount = surv.packed[:G4], surv.count[:G4]
     overflow_g = jnp.any(scount > slists.shape[-1], axis=1)
     if stop_after == "screen":

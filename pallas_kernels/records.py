@@ -199,7 +199,7 @@ def maybe_raise(state, key_ref, id_ref, base, K: int, *, C: int, BK: int, CH: in
 
 
 def scan_tiles(start, stop, tile_fn, theta0, key_ref, id_ref, base, K: int, *, C: int, BK: int,
-               CH: int, size: int, interpret: bool, extra=()):
+               CH: int, size: int, interpret: bool):
     """Run ``tile_fn`` over tiles [start, stop) with the online threshold.
 
     ``tile_fn(j, state) -> (state, appended_now)`` appends one tile's records
@@ -209,9 +209,6 @@ def scan_tiles(start, stop, tile_fn, theta0, key_ref, id_ref, base, K: int, *, C
     and Triton can software-pipeline its key loads. ``C ≥ K + BK`` guarantees
     every run makes progress.
 
-    ``extra``: more loop-carried values after (count, theta, strict) in ``tile_fn``'s state
-    (a prefetched next tile's operands); compactions leave them alone.
-
     Returns ((count, theta, strict), appended).
     """
 
@@ -220,8 +217,8 @@ def scan_tiles(start, stop, tile_fn, theta0, key_ref, id_ref, base, K: int, *, C
 
     def body(c):
         j, state, appended = c
-        state = maybe_raise(state[:3], key_ref, id_ref, base, K, C=C, BK=BK, CH=CH, size=size,
-                            interpret=interpret) + tuple(state[3:])
+        state = maybe_raise(state, key_ref, id_ref, base, K, C=C, BK=BK, CH=CH, size=size,
+                            interpret=interpret)
         room = jnp.maximum((C - jnp.max(state[0])) // BK, 1)
         j_end = jnp.minimum(j + room, stop)
 
@@ -234,8 +231,8 @@ def scan_tiles(start, stop, tile_fn, theta0, key_ref, id_ref, base, K: int, *, C
         return j_end, state, appended
 
     _, state, appended = lax.while_loop(
-        cond, body, (start, scan_state(theta0) + tuple(extra), jnp.zeros_like(theta0)))
-    return state[:3], appended
+        cond, body, (start, scan_state(theta0), jnp.zeros_like(theta0)))
+    return state, appended
 
 
 # ---------------------------------------------------------------- jnp side

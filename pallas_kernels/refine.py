@@ -34,19 +34,16 @@ from pallas_kernels.scoring import load_query_tile, score_tile
 Array = jax.Array
 
 
-def load_list_entries(sv_ref, start, slot, n_list):
-    """Inside a kernel: the packed list entries at ``start + slot`` [BK] (−1 past ``n_list``)."""
-    inl = slot < n_list
-    return rec._plgpu().load(sv_ref.at[rec.masked_index(start + slot, inl, sv_ref.shape[0])],
-                             mask=inl, other=-1)
-
-
-def score_entries(e, inl, k_refs, sc_ref, qp, wv, *, tiles: Tiles, H: int, pairs):
-    """Inside a kernel: gather the keys of list entries ``e`` [BK] (valid where ``inl``) and
-    score them for the group's BQ queries with the shared routine.
+def score_list_tile(sv_ref, start, slot, n_list, k_refs, sc_ref, qp, wv, *, tiles: Tiles, H: int,
+                    pairs):
+    """Inside a kernel: gather the keys of list slots ``slot`` [BK] (entries at ``start + slot``,
+    valid below ``n_list``) and score them for the group's BQ queries with the shared routine.
 
     Returns (key ids [BK], mine [BQ, BK]: the query sees the key, scores [BQ, BK]).
     """
+    inl = slot < n_list
+    e = rec._plgpu().load(sv_ref.at[rec.masked_index(start + slot, inl, sv_ref.shape[0])],
+                          mask=inl, other=-1)
     valid, kid, bits = unpack_entries(e, inl)
     dcol = jnp.arange(k_refs[0].shape[1], dtype=jnp.int32)
     kp = [k_ref[kid[:, None], dcol[None, :]] for k_ref in k_refs]
@@ -55,13 +52,6 @@ def score_entries(e, inl, k_refs, sc_ref, qp, wv, *, tiles: Tiles, H: int, pairs
     qsel = jnp.arange(tiles.BQ, dtype=jnp.int32)
     mine = (((bits[None, :] >> qsel[:, None]) & 1) != 0) & valid[None, :]
     return kid, mine, sc
-
-
-def score_list_tile(sv_ref, start, slot, n_list, k_refs, sc_ref, qp, wv, *, tiles: Tiles, H: int,
-                    pairs):
-    """Inside a kernel: :func:`load_list_entries` then :func:`score_entries`."""
-    return score_entries(load_list_entries(sv_ref, start, slot, n_list), slot < n_list, k_refs,
-                         sc_ref, qp, wv, tiles=tiles, H=H, pairs=pairs)
 
 
 def _refine_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, H: int, S: int, Cl: int, C: int,
@@ -84,28 +74,19 @@ def _refine_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, H: int, S: int, Cl: in
     lanes = jnp.arange(BK, dtype=jnp.int32)
     nchunk = (jnp.max(n_list) + BK - 1) // BK
 
-    def entries(c):
-        return load_list_entries(sv_ref, lbase, c * BK + lanes, n_list)
-
     def tile(c, state):
-        # with ``tiles.prefetch`` the tile's list entries were loaded one iteration ahead: the
-        # key gather no longer waits for them (two dependent loads per tile otherwise)
-        count, theta, strict, e = state
-        e_next = entries(c + 1) if tiles.prefetch else e
-        if not tiles.prefetch:
-            e = entries(c)
-        kid, mine, sc = score_entries(e, c * BK + lanes < n_list, k_refs, sc_ref, qp, wv,
-                                      tiles=tiles, H=H, pairs=pairs)
+        kid, mine, sc = score_list_tile(sv_ref, lbase, c * BK + lanes, n_list, k_refs, sc_ref,
+                                        qp, wv, tiles=tiles, H=H, pairs=pairs)
         key = kernel_order_key(sc)
         elig = mine & (key != INT32_MIN)
         idb = jnp.broadcast_to(kid[None, :], (BQ, BK))
+        count, theta, strict = state
         count, n = rec.append(rk_ref, ri_ref, base, count, rec.theta_accept(theta, strict),
                               key, idb, elig, C=C, size=size)
-        return (count, theta, strict, e_next), n
+        return (count, theta, strict), n
 
     state, appended = rec.scan_tiles(jnp.int32(0), nchunk, tile, theta0, rk_ref, ri_ref, base, K,
-                                     C=C, BK=BK, CH=CH, size=size, interpret=interpret,
-                                     extra=(entries(jnp.int32(0)),))
+                                     C=C, BK=BK, CH=CH, size=size, interpret=interpret)
     count, theta, _ = state
     oidx = t_ids * S + s
     cnt_ref[oidx] = count

@@ -193,7 +193,7 @@ def _bound_from_sums(pos, z, knorm, scale, linear, coef, eps, *, keys_major: boo
 
 
 def _screen_kernel(*refs, Pr: int, Pk: int, BQs: int, Rp: int, BK: int, N: int, S: int, Cs: int,
-                   pairs, layout: str, keys_major: bool, prefetch: bool):
+                   pairs, layout: str, keys_major: bool):
     r_refs = refs[:Pr]
     (rw_ref, am_ref, lin_ref, coef_ref, eps_ref, tau_ref, pr_ref, lo_ref, hi_ref) = refs[Pr:Pr + 9]
     k_refs = refs[Pr + 9:Pr + 9 + Pk]
@@ -228,23 +228,14 @@ def _screen_kernel(*refs, Pr: int, Pk: int, BQs: int, Rp: int, BK: int, N: int, 
     si_shape = (BK, BQs) if keys_major else (BQs, BK)
     per_q, per_k = _along(keys_major)
 
-    def key_vectors(j):
-        """Norms and scales of key tile ``j`` (masked past N and past the split's last tile)."""
-        ok = (j * BK + lanes < N) & (j < stop)
-        return (rec._plgpu().load(kn_ref.at[pl.ds(j * BK, BK)], mask=ok, other=0.0),
-                rec._plgpu().load(sc_ref.at[pl.ds(j * BK, BK)], mask=ok, other=1.0))
-
     def body(j, carry):
-        # with ``prefetch`` the tile's norms and scales were loaded one iteration ahead (their
-        # latency hides behind the previous tile's work; Triton pipelines the key tiles itself)
-        cnt, qs, kn, sc = carry
-        kn_next, sc_next = key_vectors(j + 1) if prefetch else (kn, sc)
-        if not prefetch:
-            kn, sc = key_vectors(j)
+        cnt, qs = carry
         ids = j * BK + lanes
         inb = ids < N
         kp = [rec._plgpu().load(k_ref.at[pl.ds(j * BK, BK), :], mask=inb[:, None])
               for k_ref in k_refs]
+        kn = rec._plgpu().load(kn_ref.at[pl.ds(j * BK, BK)], mask=inb, other=0.0)
+        sc = rec._plgpu().load(sc_ref.at[pl.ds(j * BK, BK)], mask=inb, other=1.0)
         U = bound_tile(rp, rw, am, kp, kn, sc, lin, coef, eps, BQs=BQs, Rp=Rp, pairs=pairs,
                        layout=layout, keys_major=keys_major)
         vis = (per_k(ids) >= per_q(lo)) & (per_k(ids) < per_q(hi))
@@ -264,11 +255,10 @@ def _screen_kernel(*refs, Pr: int, Pk: int, BQs: int, Rp: int, BK: int, N: int, 
             rec.store_slots(sv_ref, base, pos, ids[None, :] | (bits << ID_BITS), ok, size)
 
         lax.cond(jnp.max(n) > 0, write, lambda: None)
-        return cnt + n, qs + si, kn_next, sc_next   # per-query counts summed after the loop
+        return cnt + n, qs + si      # per-query counts summed once, after the loop
 
-    cnt, qs, _, _ = lax.fori_loop(start, stop, body,
-                                  (jnp.zeros((G,), jnp.int32), jnp.zeros(si_shape, jnp.int32),
-                                   *key_vectors(start)))
+    cnt, qs = lax.fori_loop(start, stop, body,
+                            (jnp.zeros((G,), jnp.int32), jnp.zeros(si_shape, jnp.int32)))
     cnt_ref[groups * S + s] = cnt
     qs_ref[(g * BQs + jnp.arange(BQs, dtype=jnp.int32)) * S + s] = jnp.sum(
         qs, axis=0 if keys_major else 1)
@@ -284,16 +274,16 @@ class Survivors(NamedTuple):
 
 @functools.partial(jax.jit, static_argnames=("BQs", "Rp", "BK", "S", "Cs", "pairs", "num_warps",
                                              "num_stages", "interpret", "T", "layout",
-                                             "keys_major", "prefetch"))
+                                             "keys_major"))
 def _screen_call(rows, row_w, agg_m, linear, coef, eps, tau, prune, lo, hi, k, knorm, scale, *,
                  BQs, Rp, BK, S, Cs, pairs, num_warps, num_stages, interpret, T, layout,
-                 keys_major, prefetch):
+                 keys_major):
     Tpad = lo.shape[0]
     G4 = Tpad // GROUP
     N = k.shape[1]
     kern = functools.partial(_screen_kernel, Pr=rows.shape[0], Pk=k.shape[0], BQs=BQs, Rp=Rp,
                              BK=BK, N=N, S=S, Cs=Cs, pairs=pairs, layout=layout,
-                             keys_major=keys_major, prefetch=prefetch)
+                             keys_major=keys_major)
     i32 = jnp.int32
     sv, cnt, qs = pl.pallas_call(
         kern, grid=(Tpad // BQs, S),
@@ -307,7 +297,6 @@ def _screen_call(rows, row_w, agg_m, linear, coef, eps, tau, prune, lo, hi, k, k
 
 def screen(sops: ScreenOperands, lo, hi, k_pieces, knorm, scale, *, splits: int, capacity: int,
            BK: int = 64, num_warps: int = 4, num_stages: int = 2, keys_major: bool = True,
-           prefetch: bool = True,
            interpret=None) -> Survivors:
     """Run the screening kernel.
 
@@ -316,7 +305,6 @@ def screen(sops: ScreenOperands, lo, hi, k_pieces, knorm, scale, *, splits: int,
       k_pieces: [Pk, N, Dp] key MMA pieces; knorm: [N] n_i ≥ ‖k̄_i‖; scale: [N] α_i.
       capacity: survivor slots per (group, split).
       keys_major: ("kc") evaluate the bound in the accumulator's [BK, BQs] orientation.
-      prefetch: load each key tile's norms and scales one iteration ahead.
     """
     if interpret is None:
         interpret = interpret_default()
@@ -329,7 +317,7 @@ def screen(sops: ScreenOperands, lo, hi, k_pieces, knorm, scale, *, splits: int,
                         sops.tau, sops.prune, lo, hi, k_pieces, knorm, scale, BQs=sops.BQs,
                         Rp=sops.Rp, BK=BK, S=splits, Cs=round_up(capacity, 16), pairs=pairs,
                         num_warps=num_warps, num_stages=num_stages, interpret=interpret, T=T,
-                        layout=sops.layout, keys_major=bool(keys_major), prefetch=bool(prefetch))
+                        layout=sops.layout, keys_major=bool(keys_major))
 
 
 def screening_bound_reference(rows, row_w, aggregate, linear, coef, eps, k_pieces, knorm,

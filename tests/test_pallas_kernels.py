@@ -243,7 +243,7 @@ def test_dosa_pallas_equals_dense_pallas_bitwise(tiles):
 
 
 def test_default_tiles_dosa_equals_dense_bitwise():
-    """The default tiles (128-key refinement tiles, prefetching, widened FP8 keys): DoSA ==
+    """The default tiles (128-key refinement tiles, widened FP8 keys): DoSA ==
     dense bitwise in interpret mode too (there the refinement keeps the dense tiles: XLA's CPU
     dot may sum a 128-row tile in another order; this failed before that rule)."""
     inp = synthetic.structured(T=8, N=1500, H=8, D=32, seed=3, key_dtype="float8_e4m3fn",
@@ -449,8 +449,8 @@ def test_operand_pieces_represent_float32():
 @pytest.mark.parametrize("tiles", [
     dense.Tiles(BK=64, num_stages=2, layout="hk", screen_layout="hk", refine_bk=0), dense.Tiles(),
     dense.Tiles(BK=128, num_stages=3, layout="kh", screen_layout="kh", screen_bq=8, refine_bk=0),
-    dense.Tiles(widen_fp8=False), dense.Tiles(refine_bk=0, prefetch=False)],
-    ids=["hk", "default", "kh_bq8", "fp8_in_kernel", "refine_bk64_no_prefetch"])
+    dense.Tiles(widen_fp8=False), dense.Tiles(refine_bk=0)],
+    ids=["hk", "default", "kh_bq8", "fp8_in_kernel", "refine_bk64"])
 def test_gpu_dense_and_dosa_bitwise_and_vs_twin(tiles):
     inp = synthetic.structured(T=256, N=32768, H=32, D=128, seed=5, key_dtype="float8_e4m3fn",
                                query_dtype="bfloat16")
@@ -528,8 +528,8 @@ def test_benchmark_specs_parse_tiles_seeds_and_anchors():
     cfg = o.config(2048)
     assert (cfg.seed_size, cfg.anchor_stride, cfg.backend) == (8192, 64, "pallas")
     assert tiles_name(t, o).endswith("/8192/64") and t.widen_fp8
-    t, _ = parse_tiles("kc:64:4:3:kc:4:4:1:0:0:64:0")
-    assert (t.widen_fp8, t.refine_bk, t.prefetch) == (False, 64, False)
+    t, _ = parse_tiles("kc:64:4:3:kc:4:4:1:0:0:64")
+    assert (t.widen_fp8, t.refine_bk) == (False, 64)
     assert parse_tiles(tiles_name(t))[0] == t
     t, o = parse_tiles("")
     assert t == dense.Tiles() and (o.seeds, o.anchor) == (BENCH_SEEDS, 0)
