@@ -97,8 +97,9 @@ def check_tiles(tiles: Tiles) -> Tiles:
         if v and (v < 16 or v & (v - 1)):
             raise ValueError(f"tiles.{f} must be 0 or a power of two >= 16, got {v}")
     if tiles.refine_bk and tiles.layout != "kc":
-        raise ValueError("tiles.refine_bk needs tiles.layout='kc' (rows of keys: scores that do "
-                         f"not depend on the tile's key count), got {tiles.layout!r}")
+        raise ValueError(f"tiles.refine_bk={tiles.refine_bk} needs tiles.layout='kc' (keys as MMA "
+                         "rows: scores that do not depend on the tile's key count); with "
+                         f"layout={tiles.layout!r} set tiles.refine_bk=0")
     if tiles.screen_bq < 0 or tiles.screen_bq % 4:
         raise ValueError(f"tiles.screen_bq must be 0 or a multiple of 4, got {tiles.screen_bq}")
     if tiles.num_warps not in (1, 2, 4, 8, 16) or tiles.screen_warps not in (1, 2, 4, 8, 16):
