@@ -108,13 +108,16 @@ def main(argv=None):
         c = opts.config(shape.K)
         fd = jax.jit(lambda *x, t=t, c=c: pipeline.dosa_topk(*x, c, tiles=t)[:2])
         fe = jax.jit(lambda *x, t=t, c=c: pipeline.dense_topk(*x, c, tiles=t))
+        fs = jax.jit(lambda *x, t=t, c=c: pipeline.dense_topk(*x, c, tiles=t, seeded=True))
         try:
-            (di, ds), (ei, es) = fd(*args), fe(*args)
+            (di, ds), (ei, es), (si, ss) = fd(*args), fe(*args), fs(*args)
             print(json.dumps(dict(name=f"check@{spec}", indices_equal=bool(jnp.all(di == ei)),
-                                  scores_equal=bool(jnp.all(ds == es)))), flush=True)
+                                  scores_equal=bool(jnp.all(ds == es)),
+                                  seeded_dense_equal=bool(jnp.all(si == ei) & jnp.all(ss == es)))),
+                  flush=True)
         except Exception as e:  # noqa: BLE001
             print(json.dumps(dict(name=f"check@{spec}", error=repr(e)[:400])), flush=True)
-        runs += [(f"dosa@{spec}", fd), (f"dense@{spec}", fe)]
+        runs += [(f"dosa@{spec}", fd), (f"dense@{spec}", fe), (f"dense_seeded@{spec}", fs)]
         for stage in (("seeds", "screen", "refine") if a.stages else ()):
             runs.append((f"dosa_until_{stage}@{spec}", jax.jit(
                 lambda *x, t=t, c=c, s_=stage: pipeline.dosa_topk(*x, c, tiles=t, stop_after=s_))))

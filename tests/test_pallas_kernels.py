@@ -257,6 +257,28 @@ def test_default_tiles_dosa_equals_dense_bitwise():
     assert int(jnp.sum(st.pruning)) > 0 and int(jnp.sum(st.recoveries)) == 0
 
 
+def test_seeded_dense_scan_equals_dense_bitwise():
+    """The dense scan started at θ₀ = the K-th seed score: same answer bitwise, fewer records
+    appended (the anchor test's inputs, tiles and kernels; T = 6 also pads a group)."""
+    inp = synthetic.structured(T=8, N=1500, H=8, D=32, seed=3, key_dtype="float8_e4m3fn",
+                               query_dtype="bfloat16")
+    args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)
+    cfg = Config(top_k=32, retained_heads=6, seed_size=256, capacity=1024)
+    for T in (8, 6):
+        a = tuple(x[:T] if x.shape[0] == 8 else x for x in args)
+        didx, dsc, dc = pipeline.dense_topk(*a, cfg, tiles=TILES_KC, splits=2,
+                                            return_candidates=True)
+        sidx, ssc, sc_ = pipeline.dense_topk(*a, cfg, tiles=TILES_KC, splits=2, seeded=True,
+                                             return_candidates=True)
+        np.testing.assert_array_equal(np.asarray(sidx), np.asarray(didx))
+        np.testing.assert_array_equal(np.asarray(ssc), np.asarray(dsc))
+        # θ₀ really started above −∞: fewer records appended, and never above τ*
+        assert int(jnp.sum(sc_.appended)) < int(jnp.sum(dc.appended))
+        from dosa_jax.selection import order_key
+        kth = np.asarray(order_key(dsc[:, -1]))
+        assert np.all(np.asarray(sc_.theta).min(axis=1) <= kth)
+
+
 def test_anchor_and_hint_witnesses_keep_dosa_equal_to_dense():
     """Anchors (every 4th query answered densely first) and user hints (duplicates, negative,
     out-of-range and invisible ids) only add witnesses: DoSA == dense bitwise, τ is at least
