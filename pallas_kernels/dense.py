@@ -289,15 +289,19 @@ def dense_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), spli
 
     Returns (indices [T, K] int32, scores [T, K] float32) in contract order.
     """
-    K = config.top_k
-    T = q.shape[0]
-    N = k.shape[0]
     check_tiles(tiles)
     ops = prepare_operands(q, w, k, k_scale, tiles.BQ, mma_dtype, tiles.layout, tiles.widen_fp8)
-    S = splits or default_splits(T, N, tiles.BQ, tiles.BK)
-    theta0 = jnp.full((T,), THETA_NONE, jnp.int32)
-    cand = dense_candidates(ops, lo, hi, theta0, K, splits=S,
-                            tiles=tiles, interpret=interpret)
+    theta0 = jnp.full((q.shape[0],), THETA_NONE, jnp.int32)
+    return topk_from_operands(ops, lo, hi, theta0, config.top_k, splits=splits, tiles=tiles,
+                              interpret=interpret, return_candidates=return_candidates)
+
+
+def topk_from_operands(ops: Operands, lo, hi, theta0, K: int, *, splits=None,
+                       tiles: Tiles = Tiles(), interpret=None, return_candidates=False):
+    """The dense scan of prepared operands from thresholds ``theta0`` ([T] order keys, each a
+    valid lower bound on τ* or ``THETA_NONE``), then exact selection of the records."""
+    S = splits or default_splits(ops.T, ops.k.shape[1], tiles.BQ, tiles.BK)
+    cand = dense_candidates(ops, lo, hi, theta0, K, splits=S, tiles=tiles, interpret=interpret)
     idx, sc = rec.select_from_records(cand.key, cand.ids, cand.count, K)
     if return_candidates:
         return idx, sc, cand
@@ -316,5 +320,6 @@ def dense_topk_reference(q, k, w, k_scale, lo, hi, config, *, mma_dtype=jnp.bflo
 
 
 __all__ = ["Tiles", "check_tiles", "Candidates", "Operands", "prepare_operands", "dense_candidates",
+           "topk_from_operands",
            "dense_topk", "dense_topk_reference", "capacity_for", "default_splits",
            "order_key"]

@@ -229,6 +229,18 @@ def dosa_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), split
     return jax.tree_util.tree_map(lambda a: a.reshape((n * Tw,) + a.shape[2:])[:T], out)
 
 
+def seed_tau_key(ops, lo, hi, config, *, tiles: Tiles, interpret=None, witnesses=None):
+    """τ of every query as an order key from its group's seed list (Eq. 2; the layout of
+    ``config``'s strategy, then ``witnesses``), scored by the seed kernel with the shared
+    routine. Returns (τ keys [T], eligible seeds [T], seeds per group)."""
+    S0, a, b = seed_sizes(config)
+    lists, lcount, n_seeds = group_seed_lists(lo, hi, ops.q.shape[1] // ops.H, S0, a, b,
+                                              tiles.BK, witnesses)
+    tau_key, n_eligible = seed_threshold(ops, lists, lcount, config.top_k, tiles=tiles,
+                                         interpret=interpret)
+    return tau_key, n_eligible, n_seeds
+
+
 def anchor_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, interpret=None):
     """Exact Top-K ids [A, K] of the anchor queries 0, s, 2s, … (s = ``config.anchors(T)``)
     by the dense kernel, or None when anchors are off for T queries.
@@ -268,9 +280,8 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     hi = hi.astype(jnp.int32)
 
     # 1. seeds: τ = K-th largest seed score (Eq. 2), scored by the shared routine
-    S0, a, b = seed_sizes(config)
-    lists, lcount, n_seeds = group_seed_lists(lo, hi, Tpad4, S0, a, b, tiles.BK, witnesses)
-    tau_key, n_eligible = seed_threshold(ops, lists, lcount, K, tiles=tiles, interpret=interpret)
+    tau_key, n_eligible, n_seeds = seed_tau_key(ops, lo, hi, config, tiles=tiles,
+                                                interpret=interpret, witnesses=witnesses)
     have_tau = n_eligible >= K
     tau = jnp.where(have_tau, _score_key(tau_key), -jnp.inf)
     if stop_after == "seeds":
@@ -390,21 +401,15 @@ def dense_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), spli
                                     splits=splits, interpret=interpret,
                                     return_candidates=return_candidates)
     dense_mod.check_tiles(tiles)
-    K = config.top_k
-    T, N = q.shape[0], k.shape[0]
     lo = lo.astype(jnp.int32)
     hi = hi.astype(jnp.int32)
     ops = prepare_operands(q, w, k, k_scale, tiles.BQ, layout=tiles.layout,
                            widen_fp8=tiles.widen_fp8)
-    S0, a, b = seed_sizes(config)
-    lists, lcount, _ = group_seed_lists(lo, hi, ops.q.shape[1] // ops.H, S0, a, b, tiles.BK)
-    tau_key, n_eligible = seed_threshold(ops, lists, lcount, K, tiles=tiles, interpret=interpret)
-    theta0 = jnp.where(n_eligible >= K, tau_key, THETA_NONE)
-    S = splits or dense_mod.default_splits(T, N, tiles.BQ, tiles.BK)
-    cand = dense_mod.dense_candidates(ops, lo, hi, theta0, K, splits=S, tiles=tiles,
-                                      interpret=interpret)
-    idx, sc = rec.select_from_records(cand.key, cand.ids, cand.count, K)
-    return (idx, sc, cand) if return_candidates else (idx, sc)
+    tau_key, n_eligible, _ = seed_tau_key(ops, lo, hi, config, tiles=tiles, interpret=interpret)
+    theta0 = jnp.where(n_eligible >= config.top_k, tau_key, THETA_NONE)
+    return dense_mod.topk_from_operands(ops, lo, hi, theta0, config.top_k, splits=splits,
+                                        tiles=tiles, interpret=interpret,
+                                        return_candidates=return_candidates)
 
 
 __all__ = ["dosa_topk", "dense_topk", "survivor_capacity", "wave_size", "INT32_MIN"]

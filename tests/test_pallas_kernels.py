@@ -9,6 +9,8 @@ the Pallas paths are compared with each other bitwise.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -204,14 +206,23 @@ def _check_unprunable_groups_go_straight_to_dense(inp, cfg):
     assert int(jnp.sum(st2.recoveries)) == 8
 
 
+#: the DoSA == dense tests' configuration and inputs (one set: shared interpret-mode compilations)
+BITWISE_CFG = Config(top_k=32, retained_heads=6, seed_size=256, capacity=1024)
+
+
+@functools.lru_cache(maxsize=None)
+def _bitwise_inputs():
+    return synthetic.structured(T=8, N=1500, H=8, D=32, seed=3, key_dtype="float8_e4m3fn",
+                                query_dtype="bfloat16")
+
+
 @pytest.mark.parametrize("tiles", [TILES, TILES_KC], ids=["hk", "kc"])
 def test_dosa_pallas_equals_dense_pallas_bitwise(tiles):
     """DoSA == dense bitwise (two scoring and screening layouts), vs the twin, the screening
     bound on every key, τ from the seed kernel; with the hk tiles also groups sent straight
     to dense."""
-    inp = synthetic.structured(T=8, N=1500, H=8, D=32, seed=3, key_dtype="float8_e4m3fn",
-                               query_dtype="bfloat16")
-    cfg = Config(top_k=32, retained_heads=6, seed_size=256, capacity=1024)
+    inp = _bitwise_inputs()
+    cfg = BITWISE_CFG
     idx, sc, st, det = pipeline.dosa_topk(inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi, cfg,
                                           tiles=tiles, splits=2, return_details=True)
     didx, dsc = pipeline.dense_topk(inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi, cfg,
@@ -246,9 +257,8 @@ def test_default_tiles_dosa_equals_dense_bitwise():
     """The default tiles (128-key refinement tiles, widened FP8 keys): DoSA ==
     dense bitwise in interpret mode too (there the refinement keeps the dense tiles: XLA's CPU
     dot may sum a 128-row tile in another order; this failed before that rule)."""
-    inp = synthetic.structured(T=8, N=1500, H=8, D=32, seed=3, key_dtype="float8_e4m3fn",
-                               query_dtype="bfloat16")
-    cfg = Config(top_k=32, retained_heads=6, seed_size=256, capacity=1024)
+    inp = _bitwise_inputs()
+    cfg = BITWISE_CFG
     args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)
     idx, sc, st = pipeline.dosa_topk(*args, cfg, splits=2)
     didx, dsc = pipeline.dense_topk(*args, cfg, splits=2)
@@ -260,10 +270,9 @@ def test_default_tiles_dosa_equals_dense_bitwise():
 def test_seeded_dense_scan_equals_dense_bitwise():
     """The dense scan started at θ₀ = the K-th seed score: same answer bitwise, fewer records
     appended (the anchor test's inputs, tiles and kernels; T = 6 also pads a group)."""
-    inp = synthetic.structured(T=8, N=1500, H=8, D=32, seed=3, key_dtype="float8_e4m3fn",
-                               query_dtype="bfloat16")
+    inp = _bitwise_inputs()
     args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)
-    cfg = Config(top_k=32, retained_heads=6, seed_size=256, capacity=1024)
+    cfg = BITWISE_CFG
     for T in (8, 6):
         a = tuple(x[:T] if x.shape[0] == 8 else x for x in args)
         didx, dsc, dc = pipeline.dense_topk(*a, cfg, tiles=TILES_KC, splits=2,
@@ -288,10 +297,9 @@ def test_anchor_and_hint_witnesses_keep_dosa_equal_to_dense():
     from pallas_kernels import seeds
     from dosa_jax.selection import key_to_score
     # the bitwise test's inputs and tiles (shared interpret-mode compilations); anchors 0, 2, 4, 6
-    inp = synthetic.structured(T=8, N=1500, H=8, D=32, seed=3, key_dtype="float8_e4m3fn",
-                               query_dtype="bfloat16")
+    inp = _bitwise_inputs()
     args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)
-    cfg = Config(top_k=32, retained_heads=6, seed_size=256, capacity=1024, anchor_stride=2)
+    cfg = BITWISE_CFG.replace(anchor_stride=2)
     didx, dsc = pipeline.dense_topk(*args, cfg, tiles=TILES_KC, splits=2)
     hint = jnp.concatenate([didx[::-1, :40], jnp.full((8, 3), -5, jnp.int32),
                             jnp.full((8, 2), 1500 + 7, jnp.int32),
