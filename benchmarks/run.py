@@ -45,16 +45,35 @@ def log(*a):
     print(*a, flush=True)
 
 
+#: How the last :func:`timeit` timed: clock ("device": CUPTI activity spans, see
+#: :mod:`benchmarks.devtime`; "wall": perf_counter around block_until_ready) and both medians.
+LAST_TIMING: dict = {}
+
+
 def timeit(fn, *args, warmup=2, iters=10):
-    """Median wall time (s) of ``fn(*args)`` with block_until_ready, after warm-up."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts), ts
+    """Median time (s) of ``fn(*args)`` after warm-up, and the per-call times.
+
+    On a GPU the calls run inside a profiler trace and the device time of each call
+    (first GPU activity start to last end, :func:`benchmarks.devtime.device_times`)
+    is the figure; elsewhere, or with ``DOSA_TIMING=wall``, the wall time around
+    ``block_until_ready`` of the same calls. :data:`LAST_TIMING` keeps both medians.
+    """
+    from benchmarks.devtime import device_times
+    if os.environ.get("DOSA_TIMING", "device") == "wall" or jax.default_backend() != "gpu":
+        for _ in range(warmup):
+            jax.block_until_ready(fn(*args))
+        ts = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            ts.append(time.perf_counter() - t0)
+        dev = None
+    else:
+        dev, ts = device_times(fn, *args, warmup=warmup, iters=iters)
+    LAST_TIMING.clear()
+    LAST_TIMING.update(clock="device" if dev else "wall", wall_median=statistics.median(ts),
+                       device_median=statistics.median(dev) if dev else None)
+    return (statistics.median(dev), dev) if dev else (statistics.median(ts), ts)
 
 
 # ------------------------------------------------------------------ peaks
@@ -116,7 +135,34 @@ def select_section(res, T=256, M=1 << 20, k=2048, variants=()):
         t_v, _ = timeit(f_v, x, warmup=5, iters=30)
         var[v] = dict(ms=t_v * 1e3, speedup_vs_lax=t_lax / t_v, equal=same)
     res["select"]["variants"] = var
+    res["select"]["clock"] = LAST_TIMING.get("clock")
+    res["select"]["stages_ms"] = select_stages(x, k)
     log("select", res["select"])
+
+
+def select_stages(x, k, iters=30):
+    """exact_topk's default path cut into its stages, each timed alone (ms): the sampled
+    guess θ₀, the filter kernel, the final selection over the record slots; and a
+    streaming read of the same rows (``max`` per row) as the memory-bound floor."""
+    from dosa_jax.selection import order_key
+    from pallas_kernels import records as rec
+    from pallas_kernels import select as sel
+    T, M = x.shape
+    p = sel.filter_plan(T, M, k)
+    f_guess = jax.jit(lambda x: sel.sample_threshold(order_key(x[:, ::p["stride"]]), k, M))
+    f_filter = jax.jit(lambda x, th: sel._filter_rows(
+        x, None, th, K=k, S=p["S"], C=p["C"], BK=p["BK"], CH=p["CH"], num_warps=4,
+        interpret=False))
+    f_final = jax.jit(lambda rk, ri, cnt: rec.select_from_records(rk, ri, cnt, k))
+    th = f_guess(x)
+    rk, ri, cnt, _ = f_filter(x, th)
+    out = dict(plan=p, records_mean=float(jnp.mean(jnp.sum(cnt, axis=1))))
+    out["guess"] = timeit(f_guess, x, warmup=3, iters=iters)[0] * 1e3
+    out["filter"] = timeit(f_filter, x, th, warmup=3, iters=iters)[0] * 1e3
+    out["final"] = timeit(f_final, rk, ri, cnt, warmup=3, iters=iters)[0] * 1e3
+    out["read_floor"] = timeit(jax.jit(lambda x: jnp.max(x, axis=1)), x, warmup=3,
+                               iters=iters)[0] * 1e3
+    return out
 
 
 # ------------------------------------------------------------------ shapes
@@ -171,31 +217,39 @@ def workspace_bytes(det, T, K, BK=64):
 
 
 class DosaOptions(NamedTuple):
-    """The DoSA Config fields a benchmark spec sets: seeds per query, anchor stride."""
+    """The DoSA Config fields a benchmark spec sets: seeds per query, anchor stride,
+    retained-head budget (0: the default ``"auto"``)."""
 
     seeds: int = BENCH_SEEDS
     anchor: int = 0
+    budget: int = 0
 
     def config(self, K: int):
         from dosa_jax.config import Config
-        return Config(top_k=K, backend="pallas", seed_size=self.seeds, anchor_stride=self.anchor)
+        return Config(top_k=K, backend="pallas", seed_size=self.seeds, anchor_stride=self.anchor,
+                      retained_heads=self.budget or "auto")
 
     def __str__(self):
+        if self.budget:
+            return f"{self.seeds}/{self.anchor}/{self.budget}"
         return f"{self.seeds}/{self.anchor}" if self.anchor else str(self.seeds)
 
 
 def parse_tiles(spec):
     """``layout:BK:warps:stages[:screen_layout:screen_bq:screen_warps[:keys_major[:screen_bk``
-    ``[:widen_fp8[:refine_bk]]]]]``[/seeds[/anchor_stride]]``
+    ``[:widen_fp8[:refine_bk]]]]]``[/seeds[/anchor_stride[/budget]]]``
     -> (Tiles, DosaOptions).
 
     E.g. ``kh:128:4:3:kh:8:4/8192``, ``/8192/64`` (default tiles, 8192 seeds, anchors every
-    64 queries); BQ is 4 (the refinement group); '' -> defaults.
+    64 queries), ``/8192/0/6`` (retained-head budget r = 6 for every query); BQ is 4 (the
+    refinement group); '' -> defaults.
     """
     from pallas_kernels import dense as dense_mod
     spec, _, opts = spec.partition("/")
     seeds, _, anchor = opts.partition("/")
-    seeds = DosaOptions(int(seeds) if seeds else BENCH_SEEDS, int(anchor) if anchor else 0)
+    anchor, _, budget = anchor.partition("/")
+    seeds = DosaOptions(int(seeds) if seeds else BENCH_SEEDS, int(anchor) if anchor else 0,
+                        int(budget) if budget else 0)
     if not spec:
         return dense_mod.Tiles(), seeds
     f = spec.split(":")
@@ -300,9 +354,15 @@ def shape_section(res, shape, data, iters, with_xla=True, tiles_spec="", stages=
                                                           - jnp.where(jnp.isfinite(es), es, 0))))
     log(shape.name, "correctness", {k_: v for k_, v in out.items() if k_ != "shape"})
 
-    times = {}
-    times["dense_pallas"], _ = timeit(f_dense, *args, iters=iters)
-    times["dosa_pallas"], _ = timeit(f_dosa, *args, iters=iters)
+    times, walls = {}, {}
+
+    def tm(name, f, **kw):
+        times[name], _ = timeit(f, *args, iters=iters, **kw)
+        walls[name] = LAST_TIMING["wall_median"] * 1e3
+        out["clock"] = LAST_TIMING["clock"]
+
+    tm("dense_pallas", f_dense)
+    tm("dosa_pallas", f_dosa)
     # DoSA's stages by difference: the pipeline cut after seeds / screen / refine
     for stage in (("seeds", "screen", "refine") if stages else ()):
         try:
@@ -312,17 +372,18 @@ def shape_section(res, shape, data, iters, with_xla=True, tiles_spec="", stages=
                 cut = f_stage(*args)
                 out["overflow_queries"] = int(jnp.sum(cut["overflow"]))
                 out["direct_queries"] = int(jnp.sum(cut["direct"]))
-            times[f"dosa_until_{stage}"], _ = timeit(f_stage, *args, iters=iters)
+            tm(f"dosa_until_{stage}", f_stage)
         except Exception as e:  # noqa: BLE001
             out[f"stage_{stage}_error"] = repr(e)[:300]
     if shape.N <= 131072:   # the fp8-MMA variant is a throughput probe; skipped at 1M (time)
         try:
-            times["dense_pallas_fp8mma"], _ = timeit(f_dense8, *args, iters=iters)
+            tm("dense_pallas_fp8mma", f_dense8)
         except Exception as e:  # noqa: BLE001
             out["fp8mma_error"] = repr(e)[:300]
     if with_xla:
-        times["xla_baseline"], _ = timeit(f_xla, *args, warmup=1, iters=iters)
+        tm("xla_baseline", f_xla, warmup=1)
     out["times_ms"] = {k_: v * 1e3 for k_, v in times.items()}
+    out["wall_ms"] = walls     # the same calls timed on the host, for comparison
     out["tflops"] = {k_: flops / v / 1e12 for k_, v in times.items()}
     if not with_xla:   # the same shape's baseline from this run (other tiles), if any
         for o in res.get("shapes", {}).values():

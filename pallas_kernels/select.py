@@ -108,6 +108,15 @@ def sample_threshold(keys_sample: Array, k: int, M: int) -> Array:
     return jnp.where(kth == INT32_MIN, THETA_NONE, kth)
 
 
+def filter_plan(T: int, M: int, k: int, block: int = 512, splits=None, sample: int = 16384):
+    """Static sizes of the filter pass: tile BK, compaction chunk CH, slots C per
+    (row, split) (≥ k + BK: a compaction always frees a tile's room), splits S, sample stride."""
+    CH = 512
+    return dict(BK=block, CH=CH, C=round_up(k + block, CH),
+                S=splits or max(1, min(8, 1024 // max(T, 1), M // (block * 64))),
+                stride=max(1, M // sample))
+
+
 def exact_topk(scores: Array, k: int, *, valid=None, splits=None, block: int = 512,
                sample: int = 16384, min_columns: int = 65536, interpret=None,
                return_stats: bool = False):
@@ -136,19 +145,15 @@ def exact_topk(scores: Array, k: int, *, valid=None, splits=None, block: int = 5
         return (i, s, {"fallback_rows": jnp.zeros((T,), jnp.int32)}) if return_stats else (i, s)
     if interpret is None:
         interpret = interpret_default()
-    BK = block
-    CH = 512
-    C = round_up(k + BK, CH)
-    S = splits or max(1, min(8, 1024 // max(T, 1), M // (BK * 64)))
-    stride = max(1, M // sample)
-    skey = order_key(scores[:, ::stride])
+    plan = filter_plan(T, M, k, block, splits, sample)
+    skey = order_key(scores[:, ::plan["stride"]])
     v8 = None
     if valid is not None:
-        skey = jnp.where(valid[:, ::stride], skey, INT32_MIN)
+        skey = jnp.where(valid[:, ::plan["stride"]], skey, INT32_MIN)
         v8 = valid.astype(jnp.int8)
     theta0 = sample_threshold(skey, k, M)
-    run = functools.partial(_filter_rows, K=k, S=S, C=C, BK=BK, CH=CH, num_warps=4,
-                            interpret=interpret)
+    run = functools.partial(_filter_rows, K=k, S=plan["S"], C=plan["C"], BK=plan["BK"],
+                            CH=plan["CH"], num_warps=4, interpret=interpret)
     rk, ri, cnt, app = run(scores, v8, theta0)
     # the guess θ₀ is valid iff at least k keys cleared it; otherwise filter again, unthresholded
     bad = jnp.sum(app, axis=1) < k

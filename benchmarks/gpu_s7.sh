@@ -1,0 +1,36 @@
+#!/bin/bash
+# Session 7, one device call (issue 4), tables and logs to $OUT. Times are device times
+# (CUPTI activity spans, benchmarks/devtime.py) with the wall times of the same calls beside.
+#   default: [GPU kernel tests (-m gpu) unless NO_TESTS] then exact_topk cut into stages
+#     plus the peak (SELECT=1), then the ablation at T=4096, N=1M on the trained indexer
+#     (benchmarks.profile_kernels --stages): DOSA_SPECS, restricted to RUNS;
+#   FINAL=1: XLA / dense / DoSA at 128K and 1M (SHAPES), exact_topk and the peak.
+# Usage (device tool): bash benchmarks/gpu_s7.sh
+set -o pipefail
+mkdir -p $OUT
+export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used --format=csv 2>&1 | tee $OUT/log.txt
+if [ -z "${FINAL:-}" ]; then
+  if [ -z "${NO_TESTS:-}" ]; then
+    timeout ${TEST_TIMEOUT:-170} python -m pytest -o addopts="" -q -x -m gpu -k "${TESTS_K:-}" \
+      tests/ -p no:cacheprovider > $OUT/tests.txt 2>&1
+    echo "pytest exit $?" | tee -a $OUT/log.txt; tail -3 $OUT/tests.txt
+  fi
+  if [ -n "${SELECT:-}" ]; then
+    timeout ${SELECT_TIMEOUT:-150} python -m benchmarks.run --sections select,peak \
+      --select-variants "${SELECT_VARIANTS:-}" --out $OUT/select > $OUT/select_log.txt 2>&1
+    echo "select exit $?" | tee -a $OUT/log.txt; grep -v "^\s*$" $OUT/select_log.txt | tail -8
+  fi
+  if [ -n "${DOSA_SPECS:-}" ]; then
+    timeout ${ABL_TIMEOUT:-380} python -m benchmarks.profile_kernels --T ${T:-4096} \
+      --N ${N:-1048576} --tiles "${NR_TILES:-}" --stages --iters ${ITERS:-5} --runs "${RUNS:-}" \
+      --dosa "${DOSA_SPECS}" > $OUT/ablation.jsonl 2> $OUT/ablation_err.txt
+    echo "ablation exit $?" | tee -a $OUT/log.txt; cat $OUT/ablation.jsonl; tail -3 $OUT/ablation_err.txt
+  fi
+else
+  timeout ${BENCH_TIMEOUT:-540} python -m benchmarks.run --data ${DATA:-trained:code:2} \
+    --sections shapes,select,peak --iters ${ITERS:-10} \
+    --shapes "${SHAPES:-prefill_T16k_N128k_H32@/8192,prefill_T16k_N1024k_H32@/8192}" \
+    --select-variants "" --out $OUT > $OUT/bench_log.txt 2>&1; echo "benchmark exit $?" | tee -a $OUT/log.txt
+  grep -v "^\s*$" $OUT/bench_log.txt | tail -30
+fi
