@@ -44,7 +44,8 @@ from pallas_kernels import records as rec
 from pallas_kernels.common import MAX_KEYS, THETA_NONE, next_pow2, round_up
 from pallas_kernels.dense import Tiles, prepare_operands
 from pallas_kernels.refine import refine
-from pallas_kernels.screen import prepare_screen, screen, split_aggregate_bf16
+from pallas_kernels.screen import (Survivors, prepare_screen, screen, screen_queries_per_program,
+                                   screen_rows, split_aggregate_bf16)
 from pallas_kernels.seeds import group_seed_lists, group_witnesses, seed_threshold
 
 #: Survivor-list budget (entries, int32) over all groups and splits: 1 GiB.
@@ -229,6 +230,77 @@ def dosa_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), split
     return jax.tree_util.tree_map(lambda a: a.reshape((n * Tw,) + a.shape[2:])[:T], out)
 
 
+def screen_by_budget(plan, budget, classes, agg_rows, coef, eps, tau, prune, lo, hi, ops, knorm,
+                     *, splits: int, capacity: int, single_piece: bool, tiles: Tiles,
+                     interpret=None) -> Survivors:
+    """The screen with queries of similar budgets sharing tiles (paper Sec. 3).
+
+    The plan rows are sized for the largest candidate budget; a query with budget r
+    has nonzero rows only in its first r. Each screening program (``BQs`` queries, a
+    multiple of the refinement group) runs in the kernel of its *class*: the largest
+    budget among its screening queries, with the plan rows cut to that budget (``Rp``
+    = r + A rows, a power of two by :func:`screen_friendly_budget`). One kernel per
+    candidate budget; programs of other classes see no keys there and the kernels
+    write one set of survivor lists in turn. The MMA width and the bound's epilogue
+    then follow the budgets actually chosen (the largest candidate had made every
+    program as wide as the dense scan). The bound of a query is the same function
+    with fewer zero rows; the enclosure (``coef``) is sized for the largest budget.
+
+    Args:
+      plan: the planner's ScreeningPlan ([T, R, D] rows); budget: [T] chosen budgets;
+      classes: the candidate budgets (static, all ≤ R); lo, hi: [T] screening ranges
+        (empty for queries that skip the screen).
+    """
+    T = lo.shape[0]
+    Dp = ops.k.shape[-1]
+    classes = tuple(sorted(set(int(c) for c in classes)))
+    if len(classes) == 1:
+        cuts = [(classes[0], None)]
+    else:
+        cuts = [(c, c) for c in classes]
+
+    A = agg_rows.shape[1]
+    bqs = {c: screen_queries_per_program(screen_rows(c, A, tiles.screen_layout), T,
+                                         tiles.screen_layout, tiles.screen_bq or None)
+           for c in classes}
+
+    def operands(c, cut, Tq):
+        padq = lambda a, v=0: jnp.pad(a, ((0, Tq - T),) + ((0, 0),) * (a.ndim - 1),
+                                      constant_values=v)
+        rows = plan.rows if cut is None else plan.rows[:, :cut]
+        rw = plan.row_weights if cut is None else plan.row_weights[:, :cut]
+        return prepare_screen(padq(rows), padq(rw), padq(agg_rows), padq(plan.aggregate_linear),
+                              padq(coef), padq(eps), padq(tau, jnp.inf), padq(prune), Dp,
+                              single_piece=single_piece, layout=tiles.screen_layout,
+                              BQs=tiles.screen_bq or (bqs[c] if cut is not None else None))
+
+    kw = dict(splits=splits, capacity=capacity, BK=tiles.screen_bk or tiles.BK,
+              num_warps=tiles.screen_warps, num_stages=tiles.num_stages,
+              keys_major=tiles.screen_keys_major, interpret=interpret)
+    run = lambda sops, l, h, into=None: screen(sops, l, h, ops.k, knorm, ops.scale,
+                                               packed_into=into, **kw)
+    if len(cuts) == 1:
+        return run(operands(classes[0], None, T), lo, hi)
+    # programs: blocks of the largest program size of the classes (sizes are powers of two)
+    B = max(bqs.values())
+    Tb = round_up(T, B)
+    pad = lambda a: jnp.pad(a, (0, Tb - T))
+    screening = hi > lo
+    qb = jnp.where(screening, budget, classes[0])
+    blk = jnp.repeat(jnp.max(pad(qb).reshape(Tb // B, B), axis=1), B)   # [Tb] program class
+    packed = count = per_query = None
+    for c, cut in cuts:
+        on = blk == c
+        s = run(operands(c, cut, Tb), jnp.where(on, pad(lo), 0), jnp.where(on, pad(hi), 0),
+                packed)
+        packed = s.packed
+        g_on = on[::4][:, None]
+        count = s.count if count is None else jnp.where(g_on, s.count, count)
+        per_query = s.per_query if per_query is None else jnp.where(on[:, None], s.per_query,
+                                                                    per_query)
+    return Survivors(packed, count, per_query[:T])
+
+
 def seed_tau_key(ops, lo, hi, config, *, tiles: Tiles, interpret=None, witnesses=None):
     """τ of every query as an order key from its group's seed list (Eq. 2; the layout of
     ``config``'s strategy, then ``witnesses``), scored by the seed kernel with the shared
@@ -318,23 +390,18 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     direct_g = jnp.any(jnp.pad(direct_q, (0, Tpad4 - T)).reshape(G4, 4), axis=1)
     direct = jnp.repeat(direct_g, 4)[:T]
 
-    # 3. screen (direct groups see no keys here)
-    Dp = ops.k.shape[-1]
-    sops = prepare_screen(plan.rows, plan.row_weights, agg_rows, plan.aggregate_linear,
-                          coef, eps, tau, prune, Dp, single_piece=single,
-                          layout=tiles.screen_layout, BQs=tiles.screen_bq or None)
+    # 3. screen (direct groups see no keys here), one kernel per budget class
     Cs = survivor_capacity(N, T, S, K, config.capacity)
     slo = jnp.where(direct, 0, lo)
     shi = jnp.where(direct, 0, hi)
-    surv = screen(sops, slo, shi, ops.k, knorm, ops.scale, splits=S, capacity=Cs,
-                  BK=tiles.screen_bk or tiles.BK,
-                  num_warps=tiles.screen_warps, num_stages=tiles.num_stages,
-                  keys_major=tiles.screen_keys_major, interpret=interpret)
+    surv = screen_by_budget(plan, budget, config.budgets(H), agg_rows, coef, eps, tau, prune,
+                            slo, shi, ops, knorm, splits=S, capacity=Cs, single_piece=single,
+                            tiles=tiles, interpret=interpret)
     slists, scount = surv.packed[:G4], surv.count[:G4]
     overflow_g = jnp.any(scount > slists.shape[-1], axis=1)
     if stop_after == "screen":
         return dict(tau=tau, count=jnp.repeat(scount, 4, axis=0)[:T],
-                    overflow=jnp.repeat(overflow_g, 4)[:T], direct=direct)
+                    overflow=jnp.repeat(overflow_g, 4)[:T], direct=direct, budget=budget)
 
     # 4. refine survivors: s ≥ τ records, online threshold (record buffers of the recovery's
     # size, also when the refinement tiles are longer than the dense ones)

@@ -87,6 +87,13 @@ def screen_queries_per_program(Rp: int, T: int, layout: str = "hk", BQs=None) ->
     return bq
 
 
+def screen_rows(R: int, A: int, layout: str = "hk") -> int:
+    """Rows per query in the screen's MMA: R retained + A aggregate rows, to a power of two
+    (at least 16 in ``"kh"``, where one query's rows are the dot's N dimension)."""
+    Rp = next_pow2(R + A)
+    return max(Rp, 16) if layout == "kh" else Rp
+
+
 def split_aggregate_bf16(aggregate: Array):
     """Aggregate rows a = hi + lo (+ e) as two bf16-exact rows each, and ‖e‖ bounded upward.
 
@@ -118,9 +125,7 @@ def prepare_screen(rows, row_w, aggregate, linear, coef, eps, tau, prune, Dp: in
     """
     T, R, D = rows.shape
     A = aggregate.shape[1]
-    Rp = next_pow2(R + A)
-    if layout == "kh":
-        Rp = max(Rp, 16)          # one query's rows are the dot's N dimension (≥ 16)
+    Rp = screen_rows(R, A, layout)
     BQs = screen_queries_per_program(Rp, T, layout, BQs)
     Tpad = round_up(T, BQs)
     allr = jnp.concatenate([rows.astype(jnp.float32), aggregate.astype(jnp.float32)], axis=1)
@@ -198,7 +203,7 @@ def _screen_kernel(*refs, Pr: int, Pk: int, BQs: int, Rp: int, BK: int, N: int, 
     (rw_ref, am_ref, lin_ref, coef_ref, eps_ref, tau_ref, pr_ref, lo_ref, hi_ref) = refs[Pr:Pr + 9]
     k_refs = refs[Pr + 9:Pr + 9 + Pk]
     kn_ref, sc_ref = refs[Pr + 9 + Pk:Pr + 11 + Pk]
-    sv_ref, cnt_ref, qs_ref = refs[Pr + 11 + Pk:]
+    sv_ref, cnt_ref, qs_ref = refs[-3:]   # (an aliased survivor-list input may come before)
     G = BQs // GROUP
     g = pl.program_id(0)
     s = pl.program_id(1)
@@ -274,10 +279,10 @@ class Survivors(NamedTuple):
 
 @functools.partial(jax.jit, static_argnames=("BQs", "Rp", "BK", "S", "Cs", "pairs", "num_warps",
                                              "num_stages", "interpret", "T", "layout",
-                                             "keys_major"))
-def _screen_call(rows, row_w, agg_m, linear, coef, eps, tau, prune, lo, hi, k, knorm, scale, *,
-                 BQs, Rp, BK, S, Cs, pairs, num_warps, num_stages, interpret, T, layout,
-                 keys_major):
+                                             "keys_major"), donate_argnames=("packed_into",))
+def _screen_call(rows, row_w, agg_m, linear, coef, eps, tau, prune, lo, hi, k, knorm, scale,
+                 packed_into=None, *, BQs, Rp, BK, S, Cs, pairs, num_warps, num_stages,
+                 interpret, T, layout, keys_major):
     Tpad = lo.shape[0]
     G4 = Tpad // GROUP
     N = k.shape[1]
@@ -285,19 +290,23 @@ def _screen_call(rows, row_w, agg_m, linear, coef, eps, tau, prune, lo, hi, k, k
                              BK=BK, N=N, S=S, Cs=Cs, pairs=pairs, layout=layout,
                              keys_major=keys_major)
     i32 = jnp.int32
+    args = (*rows, row_w, agg_m, linear, coef, eps, tau, prune, lo, hi, *k, knorm, scale)
+    aliases = {}
+    if packed_into is not None:   # write this call's groups into another call's lists
+        aliases = {len(args): 0}
+        args = args + (packed_into.reshape(-1),)
     sv, cnt, qs = pl.pallas_call(
         kern, grid=(Tpad // BQs, S),
         out_shape=(jax.ShapeDtypeStruct((G4 * S * Cs,), i32),
                    jax.ShapeDtypeStruct((G4 * S,), i32), jax.ShapeDtypeStruct((Tpad * S,), i32)),
         compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
-        name="dosa_screen")(*rows, row_w, agg_m, linear, coef, eps, tau, prune, lo, hi, *k,
-                            knorm, scale)
+        input_output_aliases=aliases, name="dosa_screen")(*args)
     return Survivors(sv.reshape(G4, S, Cs), cnt.reshape(G4, S), qs.reshape(Tpad, S)[:T])
 
 
 def screen(sops: ScreenOperands, lo, hi, k_pieces, knorm, scale, *, splits: int, capacity: int,
            BK: int = 64, num_warps: int = 4, num_stages: int = 2, keys_major: bool = True,
-           interpret=None) -> Survivors:
+           interpret=None, packed_into=None) -> Survivors:
     """Run the screening kernel.
 
     Args:
@@ -305,6 +314,9 @@ def screen(sops: ScreenOperands, lo, hi, k_pieces, knorm, scale, *, splits: int,
       k_pieces: [Pk, N, Dp] key MMA pieces; knorm: [N] n_i ≥ ‖k̄_i‖; scale: [N] α_i.
       capacity: survivor slots per (group, split).
       keys_major: ("kc") evaluate the bound in the accumulator's [BK, BQs] orientation.
+      packed_into: survivor lists of an earlier call with the same groups, splits and
+        capacity, updated in place (its buffer is donated): groups with no visible key
+        here keep their entries (their counts here are 0; the caller merges counts).
     """
     if interpret is None:
         interpret = interpret_default()
@@ -314,7 +326,8 @@ def screen(sops: ScreenOperands, lo, hi, k_pieces, knorm, scale, *, splits: int,
     hi = jnp.pad(hi.astype(jnp.int32), (0, Tpad - T))
     pairs = piece_pairs(sops.rows.shape[0], k_pieces.shape[0])
     return _screen_call(sops.rows, sops.row_w, sops.agg_m, sops.linear, sops.coef, sops.eps,
-                        sops.tau, sops.prune, lo, hi, k_pieces, knorm, scale, BQs=sops.BQs,
+                        sops.tau, sops.prune, lo, hi, k_pieces, knorm, scale, packed_into,
+                        BQs=sops.BQs,
                         Rp=sops.Rp, BK=BK, S=splits, Cs=round_up(capacity, 16), pairs=pairs,
                         num_warps=num_warps, num_stages=num_stages, interpret=interpret, T=T,
                         layout=sops.layout, keys_major=bool(keys_major))
