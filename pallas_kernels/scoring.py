@@ -34,16 +34,20 @@ Array = jax.Array
 
 
 def load_query_tile(q_refs, w_ref, g, *, BQ: int, H: int, layout: str):
-    """Load query group ``g``'s operand rows and head weights inside a kernel.
+    """Load query group ``g``'s operand rows inside a kernel; its head weights lazily.
 
     ``layout="hk"`` or ``"kc"``: one [BQ*H, D] block per piece and a [BQ*H] weight vector.
     ``layout="kh"``: per piece a list of BQ [H, D] blocks, and BQ [H] weight vectors.
+    The weights come as a zero-argument loader that :func:`score_tile` calls per tile:
+    spread over the MMA accumulator's columns they took 32 registers per thread for the
+    whole scan (sm_90 ptxas, ``benchmarks.kernel_sass``); from L1 they cost a few loads
+    per tile, issued before the MMA's wait.
     """
     if layout in ("hk", "kc"):
         rows = pl.ds(g * BQ * H, BQ * H)
-        return [q_ref[rows, :] for q_ref in q_refs], w_ref[rows]
+        return [q_ref[rows, :] for q_ref in q_refs], lambda: w_ref[rows]
     qs = [[q_ref[pl.ds((g * BQ + i) * H, H), :] for i in range(BQ)] for q_ref in q_refs]
-    return qs, [w_ref[pl.ds((g * BQ + i) * H, H)] for i in range(BQ)]
+    return qs, lambda: [w_ref[pl.ds((g * BQ + i) * H, H)] for i in range(BQ)]
 
 
 def score_tile(q_pieces, w_rows, k_pieces, scale, *, BQ: int, H: int, pairs,
@@ -65,7 +69,8 @@ def score_tile(q_pieces, w_rows, k_pieces, scale, *, BQ: int, H: int, pairs,
     Args:
       q_pieces: per piece, [BQ*H, D] ("hk", "kc") or a list of BQ [H, D] ("kh") operands
         (:func:`load_query_tile`).
-      w_rows: [BQ*H] ("hk", "kc") or BQ × [H] ("kh") float32 head weights (0 for padding heads).
+      w_rows: [BQ*H] ("hk", "kc") or BQ × [H] ("kh") float32 head weights (0 for padding
+        heads), or a zero-argument function returning them (called here, once per tile).
       k_pieces: list of [BK, D] MMA operands.
       scale: [BK] float32 key scales α_i.
       pairs: static (q piece, k piece) products to sum, in order.
@@ -73,6 +78,8 @@ def score_tile(q_pieces, w_rows, k_pieces, scale, *, BQ: int, H: int, pairs,
     Returns:
       [BQ, BK] float32 scores.
     """
+    if callable(w_rows):
+        w_rows = w_rows()
     if layout == "kh":
         bk = k_pieces[0].shape[0]
         qi = lax.broadcasted_iota(jnp.int32, (BQ, bk), 0)
