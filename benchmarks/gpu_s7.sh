@@ -21,10 +21,11 @@ if [ -z "${FINAL:-}" ]; then
       --select-variants "${SELECT_VARIANTS:-}" --out $OUT/select > $OUT/select_log.txt 2>&1
     echo "select exit $?" | tee -a $OUT/log.txt; grep -v "^\s*$" $OUT/select_log.txt | tail -8
   fi
-  if [ -n "${DOSA_SPECS:-}" ]; then
+  if [ -n "${DOSA_SPECS:-}${DENSE_TILES:-}" ]; then
     timeout ${ABL_TIMEOUT:-380} python -m benchmarks.profile_kernels --T ${T:-4096} \
       --N ${N:-1048576} --tiles "${NR_TILES:-}" --stages --iters ${ITERS:-5} --runs "${RUNS:-}" \
-      --dosa "${DOSA_SPECS}" > $OUT/ablation.jsonl 2> $OUT/ablation_err.txt
+      --dosa "${DOSA_SPECS:-}" --dense-tiles "${DENSE_TILES:-}" > $OUT/ablation.jsonl \
+      2> $OUT/ablation_err.txt
     echo "ablation exit $?" | tee -a $OUT/log.txt; cat $OUT/ablation.jsonl; tail -3 $OUT/ablation_err.txt
   fi
 else

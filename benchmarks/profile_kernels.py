@@ -68,6 +68,10 @@ def main(argv=None):
     ap.add_argument("--dosa", default="",
                     help="DoSA and dense with these tiles (benchmarks.run.parse_tiles specs), "
                          "checked bitwise against each other")
+    ap.add_argument("--dense-tiles", default="",
+                    help="dense_topk (plain and seeded, 8192 seeds) with these tiles "
+                         "(layout:BQ:BK:warps:stages[:CH]), each checked bitwise against the "
+                         "default tiles' dense_topk")
     ap.add_argument("--runs", default="", help="comma-separated run names to keep (default all)")
     ap.add_argument("--stages", action="store_true", help="time DoSA cut after each stage")
     ap.add_argument("--ncu", action="store_true")
@@ -128,6 +132,25 @@ def main(argv=None):
             runs.append((f"dosa_until_screen_nowrite@{spec}", jax.jit(
                 lambda *x, t=t, c=c: _without_survivors(
                     lambda: pipeline.dosa_topk(*x, c, tiles=t, stop_after="screen")))))
+    ref = None
+    for spec in filter(None, a.dense_tiles.split(",")):
+        f = spec.split(":")
+        t = dm.Tiles(BQ=int(f[1]), BK=int(f[2]), num_warps=int(f[3]), num_stages=int(f[4]),
+                     layout=f[0], refine_bk=0, **({"CH": int(f[5])} if len(f) > 5 else {}))
+        c8 = Config(top_k=shape.K, backend="pallas", seed_size=8192)
+        fe = jax.jit(lambda *x, t=t: pipeline.dense_topk(*x, c8, tiles=t))
+        fs = jax.jit(lambda *x, t=t: pipeline.dense_topk(*x, c8, tiles=t, seeded=True))
+        try:
+            if ref is None:
+                ref = jax.jit(lambda *x: pipeline.dense_topk(*x, c8))(*args)
+            (ei, es), (si, ss) = fe(*args), fs(*args)
+            print(json.dumps(dict(
+                name=f"check_dense@{spec}",
+                equal=bool(jnp.all(ei == ref[0]) & jnp.all(es == ref[1])),
+                seeded_equal=bool(jnp.all(si == ref[0]) & jnp.all(ss == ref[1])))), flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(json.dumps(dict(name=f"check_dense@{spec}", error=repr(e)[:400])), flush=True)
+        runs += [(f"dense_tiles@{spec}", fe), (f"dense_tiles_seeded@{spec}", fs)]
     keep = set(filter(None, a.runs.split(",")))
     for name, f in runs:
         if keep and name not in keep:
