@@ -114,7 +114,7 @@ def main(argv=None):
         t, opts = parse_tiles(spec)
         c = opts.config(shape.K)
         fd = jax.jit(lambda *x, t=t, c=c: pipeline.dosa_topk(*x, c, tiles=t)[:2])
-        fe = jax.jit(lambda *x, t=t, c=c: pipeline.dense_topk(*x, c, tiles=t))
+        fe = jax.jit(lambda *x, t=t, c=c: pipeline.dense_topk(*x, c, tiles=t, seeded=False))
         fs = jax.jit(lambda *x, t=t, c=c: pipeline.dense_topk(*x, c, tiles=t, seeded=True))
         try:
             (di, ds), (ei, es), (si, ss) = fd(*args), fe(*args), fs(*args)
@@ -138,7 +138,7 @@ def main(argv=None):
         t = dm.Tiles(BQ=int(f[1]), BK=int(f[2]), num_warps=int(f[3]), num_stages=int(f[4]),
                      layout=f[0], refine_bk=0, **({"CH": int(f[5])} if len(f) > 5 else {}))
         c8 = Config(top_k=shape.K, backend="pallas", seed_size=8192)
-        fe = jax.jit(lambda *x, t=t: pipeline.dense_topk(*x, c8, tiles=t))
+        fe = jax.jit(lambda *x, t=t: pipeline.dense_topk(*x, c8, tiles=t, seeded=False))
         fs = jax.jit(lambda *x, t=t: pipeline.dense_topk(*x, c8, tiles=t, seeded=True))
         try:
             if ref is None:

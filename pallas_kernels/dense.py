@@ -58,7 +58,10 @@ class Tiles(NamedTuple):
     layout: str = "kc"   # MMA layout of the scoring tile (:func:`pallas_kernels.scoring.score_tile`)
     # the screening kernel (DoSA only; its bound need not match any score bitwise)
     screen_layout: str = "kc"
-    screen_bq: int = 4       # queries per screening program (0: the layout's default)
+    # queries per screening program (0: the layout's default). 8 measured fastest on the H200
+    # once programs run in their budget class (session 7, T=4096, N=1M: DoSA 153 -> 134 ms;
+    # 16 queries with 8 warps 144 ms, with 4 warps 328 ms)
+    screen_bq: int = 8
     screen_warps: int = 4
     # "kc" screen: evaluate the bound and the survival bits as [BK, BQs] (the accumulator's
     # orientation), else transpose the two row sums to [BQs, BK] first

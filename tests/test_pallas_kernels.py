@@ -275,7 +275,7 @@ def test_seeded_dense_scan_equals_dense_bitwise():
     cfg = BITWISE_CFG
     for T in (8, 6):
         a = tuple(x[:T] if x.shape[0] == 8 else x for x in args)
-        didx, dsc, dc = pipeline.dense_topk(*a, cfg, tiles=TILES_KC, splits=2,
+        didx, dsc, dc = pipeline.dense_topk(*a, cfg, tiles=TILES_KC, splits=2, seeded=False,
                                             return_candidates=True)
         sidx, ssc, sc_ = pipeline.dense_topk(*a, cfg, tiles=TILES_KC, splits=2, seeded=True,
                                              return_candidates=True)
