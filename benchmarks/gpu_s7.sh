@@ -4,7 +4,8 @@
 #   default: [GPU kernel tests (-m gpu) unless NO_TESTS] then exact_topk cut into stages
 #     plus the peak (SELECT=1), then the ablation at T=4096, N=1M on the trained indexer
 #     (benchmarks.profile_kernels --stages): DOSA_SPECS, restricted to RUNS;
-#   FINAL=1: XLA / dense / DoSA at 128K and 1M (SHAPES), exact_topk and the peak.
+#   FINAL=1: XLA / dense / DoSA at 128K and 1M (SHAPES), exact_topk and the peak; then (unless
+#     NO_TESTS) the GPU kernel tests and the budget-class tests compiled for the GPU.
 # Usage (device tool): bash benchmarks/gpu_s7.sh
 set -o pipefail
 mkdir -p $OUT
@@ -34,4 +35,13 @@ else
     --shapes "${SHAPES:-prefill_T16k_N128k_H32@/8192,prefill_T16k_N1024k_H32@/8192}" \
     --select-variants "" --out $OUT > $OUT/bench_log.txt 2>&1; echo "benchmark exit $?" | tee -a $OUT/log.txt
   grep -v "^\s*$" $OUT/bench_log.txt | tail -30
+  if [ -z "${NO_TESTS:-}" ]; then   # after the figures: the GPU kernel tests, then the class tests
+    timeout ${TEST_TIMEOUT:-170} python -m pytest -o addopts="" -q -m gpu -k "${TESTS_K:-}" \
+      tests/test_pallas_kernels.py tests/test_screen_classes.py -p no:cacheprovider \
+      > $OUT/tests.txt 2>&1
+    echo "pytest -m gpu exit $?" | tee -a $OUT/log.txt; tail -3 $OUT/tests.txt
+    timeout ${CLASS_TEST_TIMEOUT:-60} python -m pytest -o addopts="" -q \
+      tests/test_screen_classes.py -p no:cacheprovider > $OUT/tests_classes.txt 2>&1
+    echo "pytest classes exit $?" | tee -a $OUT/log.txt; tail -3 $OUT/tests_classes.txt
+  fi
 fi
