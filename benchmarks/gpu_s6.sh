@@ -4,25 +4,7 @@
 #   indexer (benchmarks.profile_kernels --stages): DoSA and dense per tile spec (DOSA_SPECS),
 #   each checked bitwise against the dense kernel, with DoSA cut after each stage;
 #   FINAL=1: XLA / dense / DoSA at 128K and 1M (SHAPES), exact_topk and the peak.
+# Since session 7 both modes run session 7's script (device-clock timing; FINAL also runs the
+# GPU tests after the figures unless NO_TESTS is set).
 # Usage (device tool): bash benchmarks/gpu_s6.sh
-set -o pipefail
-mkdir -p $OUT
-export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used --format=csv 2>&1 | tee $OUT/log.txt
-if [ -z "${FINAL:-}" ]; then
-  if [ -z "${NO_TESTS:-}" ]; then
-    timeout ${TEST_TIMEOUT:-170} python -m pytest -o addopts="" -q -x -m gpu -k "${TESTS_K:-}" \
-      tests/test_pallas_kernels.py -p no:cacheprovider > $OUT/tests.txt 2>&1
-    echo "pytest exit $?" | tee -a $OUT/log.txt; tail -3 $OUT/tests.txt
-  fi
-  timeout ${ABL_TIMEOUT:-380} python -m benchmarks.profile_kernels --T ${T:-4096} --N ${N:-1048576} \
-    --tiles "${NR_TILES:-}" --stages --iters ${ITERS:-5} --runs "${RUNS:-}" \
-    --dosa "${DOSA_SPECS:-,kc:64:4:3:kc:4:4:1:0:0}" > $OUT/ablation.jsonl 2> $OUT/ablation_err.txt
-  echo "ablation exit $?" | tee -a $OUT/log.txt; cat $OUT/ablation.jsonl; tail -3 $OUT/ablation_err.txt
-else
-  timeout ${BENCH_TIMEOUT:-540} python -m benchmarks.run --data ${DATA:-trained:code:2} \
-    --sections shapes,select,peak --iters ${ITERS:-10} \
-    --shapes "${SHAPES:-prefill_T16k_N128k_H32@/8192,prefill_T16k_N1024k_H32@/8192}" \
-    --select-variants "" --out $OUT > $OUT/bench_log.txt 2>&1; echo "benchmark exit $?" | tee -a $OUT/log.txt
-  grep -v "^\s*$" $OUT/bench_log.txt | tail -30
-fi
+DOSA_SPECS="${DOSA_SPECS-,kc:64:4:3:kc:4:4:1:0:0}" exec bash "$(dirname "$0")/gpu_s7.sh"
