@@ -2,7 +2,8 @@
 
 Data flows one way (STYLE.md): operands → (anchors: dense kernel) → seeds
 (:mod:`pallas_kernels.seeds`: seed-scoring kernel, K-th search, τ) → plan
-(``dosa_jax.planner.build_plan``, query side) → screen kernel (U < τ rejects)
+(``dosa_jax.planner.build_plan``, query side) → screen kernels, one per budget
+class (U < τ rejects; :func:`screen_by_budget`)
 → refine kernel (s ≥ τ records, online threshold) → recovery of overflowed
 groups (dense kernel with θ₀ = τ) → exact selection of the records.
 

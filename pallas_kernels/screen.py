@@ -25,6 +25,14 @@ survived) at ``count + cumsum − 1``: deterministic, ascending ids, no atomics.
 The count keeps growing past the list's capacity: an overflowing group is
 detected (never silently truncated) and its queries are recovered exactly.
 
+Queries with similar budgets share tiles (paper Sec. 3):
+:func:`pallas_kernels.pipeline.screen_by_budget` runs this kernel once per
+budget class, each program in the class of its largest budget with ``Rp``
+rows per query for that budget, all classes writing one set of lists
+(``packed_into``). Before, every program was as wide as the largest candidate
+budget: 32 rows per query at H = 32, the dense scan's MMA width, although
+the automatic budget chose 14 (BENCHMARKS.md, session 7).
+
 Backend: Triton (``cumsum`` and masked stores at computed positions).
 """
 
