@@ -288,7 +288,12 @@ def screen_by_budget(plan, budget, classes, agg_rows, coef, eps, tau, prune, lo,
     pad = lambda a: jnp.pad(a, (0, Tb - T))
     screening = hi > lo
     qb = jnp.where(screening, budget, classes[0])
-    blk = jnp.repeat(jnp.max(pad(qb).reshape(Tb // B, B), axis=1), B)   # [Tb] program class
+    need = jnp.max(pad(qb).reshape(Tb // B, B), axis=1)
+    # the smallest class holding the program's largest budget (the largest class holds every
+    # budget: the plan rows are sized for it), so no program is left out of every kernel
+    cls = jnp.asarray(classes, jnp.int32)
+    blk = cls[jnp.minimum(jnp.searchsorted(cls, need), len(classes) - 1)]
+    blk = jnp.repeat(blk, B)                                               # [Tb] program class
     packed = count = per_query = None
     for c, cut in cuts:
         on = blk == c

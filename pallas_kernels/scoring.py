@@ -39,9 +39,10 @@ def load_query_tile(q_refs, w_ref, g, *, BQ: int, H: int, layout: str):
     ``layout="hk"`` or ``"kc"``: one [BQ*H, D] block per piece and a [BQ*H] weight vector.
     ``layout="kh"``: per piece a list of BQ [H, D] blocks, and BQ [H] weight vectors.
     The weights come as a zero-argument loader that :func:`score_tile` calls per tile:
-    spread over the MMA accumulator's columns they took 32 registers per thread for the
-    whole scan (sm_90 ptxas, ``benchmarks.kernel_sass``); from L1 they cost a few loads
-    per tile, issued before the MMA's wait.
+    spread over the MMA accumulator's columns they held about 30 registers per thread for
+    the whole scan (sm_90 ptxas via ``benchmarks.kernel_sass``: seed kernel 140 -> 110; the
+    dense and refinement kernels lost their spills). Reloaded from L1 they cost a few
+    loads per tile; the kernels' H200 times did not change (session 7).
     """
     if layout in ("hk", "kc"):
         rows = pl.ds(g * BQ * H, BQ * H)

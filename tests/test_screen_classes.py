@@ -93,3 +93,26 @@ def test_dosa_with_two_budget_classes_equals_dense_bitwise():
     assert len(set(b.tolist())) == 2, f"one class only: {b}"
     assert float(jnp.mean(st.survivors / st.visible)) < 1.0
     assert_screening_bound_holds_on_every_key(inp, det)
+
+
+def test_budget_between_classes_goes_to_the_next_class():
+    """A budget that is not itself a class (here 4 with classes 2 and 6) screens in the next
+    larger class: no program is left out of every kernel (its keys would be lost)."""
+    inp, plan, budget, agg, coef, eps, tau, prune, lo, ops = _class_inputs()
+    T, N = budget.shape[0], inp.k.shape[0]
+    knorm = key_norm_upper(inp.k)
+    keep = jnp.arange(6)[None, :] < jnp.where(budget == 6, 4, budget)[:, None]
+    plan = types.SimpleNamespace(rows=jnp.where(keep[..., None], plan.rows, 0.0),
+                                 row_weights=jnp.where(keep, plan.row_weights, 0.0),
+                                 aggregate_linear=plan.aggregate_linear)
+    budget = jnp.where(budget == 6, 4, budget)
+    surv = pipeline.screen_by_budget(plan, budget, (2, 6), agg, coef, eps, tau, prune, lo,
+                                     inp.hi, ops, knorm, splits=2, capacity=512,
+                                     single_piece=True, tiles=TILES_KC)
+    U = screen.screening_bound_reference(plan.rows, plan.row_weights, agg, plan.aggregate_linear,
+                                         coef, eps, ops.k, knorm, ops.scale, single_piece=True)
+    m = np.asarray(screen.survivors_reference(U, tau, prune, lo, inp.hi))
+    near = np.abs(np.asarray(U) - np.asarray(tau)[:, None]) <= 1e-5 * (1 + np.abs(np.asarray(U)))
+    got = unpack_survivors(surv.packed, surv.count, T, N)
+    assert np.all((got == m) | near)
+    assert int(got.sum()) > 0
