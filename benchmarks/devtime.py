@@ -53,6 +53,24 @@ def _call_windows(pd):
     return [wins[i] for i in sorted(wins)]
 
 
+def call_spans(pd, iters: int):
+    """Device time (s) of each annotated call in a trace, or ``None`` when the trace has no GPU
+    activity records for every call: the span from the first stream activity starting in the
+    call's window (its annotation's start to the next call's start) to the last one's end."""
+    ev = _device_events(pd)
+    wins = _call_windows(pd)
+    if not ev or len(wins) != iters:
+        return None
+    times = []
+    for i, (s, _) in enumerate(wins):
+        nxt = wins[i + 1][0] if i + 1 < iters else float("inf")
+        mine = [x for x in ev if s <= x[0] < nxt]
+        if not mine:
+            return None
+        times.append((max(x[1] for x in mine) - min(x[0] for x in mine)) * 1e-9)
+    return times
+
+
 def device_times(fn, *args, warmup: int = 2, iters: int = 10):
     """Per-call times in seconds: (device [iters] or ``None`` without GPU records, wall [iters]).
 
@@ -74,18 +92,7 @@ def device_times(fn, *args, warmup: int = 2, iters: int = 10):
         files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
         if not files:
             return None, wall
-        pd = ProfileData.from_file(files[0])
-        ev = _device_events(pd)
-        wins = _call_windows(pd)
-        if not ev or len(wins) != iters:
-            return None, wall
-        times = []
-        for i, (s, e) in enumerate(wins):
-            nxt = wins[i + 1][0] if i + 1 < iters else float("inf")
-            mine = [x for x in ev if s <= x[0] < nxt]
-            if not mine:
-                return None, wall
-            times.append((max(x[1] for x in mine) - min(x[0] for x in mine)) * 1e-9)
-        return times, wall
+        spans = call_spans(ProfileData.from_file(files[0]), iters)
+        return spans, wall
     finally:
         shutil.rmtree(d, ignore_errors=True)

@@ -1,0 +1,60 @@
+"""The benchmark's device clock (``benchmarks.devtime``) on synthetic profiler traces, and its
+fallback on a machine without GPU activity records."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from benchmarks import devtime
+
+ProfileData = pytest.importorskip("jax._src.profiler").ProfileData
+
+
+def _trace(host_calls, streams, xla_ops=()):
+    """XSpace text proto: host annotations [(start_ns, dur_ns)], GPU stream events
+    {line name: [(start_ns, dur_ns)]} and an "XLA Ops" line (derived, must be ignored)."""
+    ps = lambda ns: int(ns * 1000)
+    host = "".join(f"events {{ metadata_id: {i + 1} offset_ps: {ps(s)} duration_ps: {ps(d)} }} "
+                   for i, (s, d) in enumerate(host_calls))
+    meta = "".join(f'event_metadata {{ key: {i + 1} value {{ id: {i + 1} '
+                   f'name: "{devtime._TAG}{i}" }} }} ' for i in range(len(host_calls)))
+    lines = "".join(
+        f'lines {{ id: {j + 1} name: "{name}" timestamp_ns: 0 '
+        + "".join(f"events {{ metadata_id: 1 offset_ps: {ps(s)} duration_ps: {ps(d)} }} "
+                  for s, d in evs) + "} "
+        for j, (name, evs) in enumerate(list(streams.items()) + [("XLA Ops", list(xla_ops))]))
+    return ProfileData.from_text_proto(
+        f'planes {{ id: 1 name: "/host:CPU" lines {{ id: 1 name: "python" timestamp_ns: 0 '
+        f"{host}}} {meta}}} "
+        f'planes {{ id: 2 name: "/device:GPU:0" {lines}'
+        f'event_metadata {{ key: 1 value {{ id: 1 name: "fusion" }} }} }}')
+
+
+def test_call_spans_first_start_to_last_end_per_call_across_streams():
+    pd = _trace([(1000, 5000), (7000, 5000)],
+                {"Stream #13(compute)": [(2000, 2000), (8000, 1000)],
+                 "Stream #14(memcpy)": [(3500, 1500), (8500, 2500)]},
+                xla_ops=[(0, 20000)])
+    spans = devtime.call_spans(pd, 2)
+    assert spans == pytest.approx([3000e-9, 3000e-9])   # [2000, 5000), [8000, 11000)
+
+
+def test_call_spans_none_without_gpu_records_or_with_a_call_missing():
+    assert devtime.call_spans(_trace([(0, 10)], {}), 1) is None
+    pd = _trace([(1000, 1000), (3000, 1000)], {"Stream #1": [(1500, 100)]})
+    assert devtime.call_spans(pd, 2) is None        # the second call has no GPU activity
+    assert devtime.call_spans(pd, 3) is None        # fewer annotations than calls
+
+
+def test_device_times_without_gpu_records_fall_back_to_the_wall_clock():
+    """On the CPU there are no GPU activity records: ``None`` and the wall times (on a GPU:
+    one device time per call, each within its wall time)."""
+    f = jax.jit(lambda x: x * 2)
+    dev, wall = devtime.device_times(f, jnp.ones(8), warmup=1, iters=3)
+    assert len(wall) == 3 and all(t > 0 for t in wall)
+    if jax.default_backend() == "gpu":
+        assert len(dev) == 3 and all(0 < d <= w for d, w in zip(dev, wall))
+    else:
+        assert dev is None
