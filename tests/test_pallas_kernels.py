@@ -183,6 +183,22 @@ def _assert_screening_bound_holds_on_every_key(inp, det):
     assert np.all(U >= s), f"{int(np.sum(U < s))} keys with U < s"
 
 
+def _jit_dosa_details(args, cfg, **kw):
+    """``pipeline.dosa_topk(*args, cfg, return_details=True, **kw)`` under jax.jit: one program
+    for a test whose shapes no other test shares (op by op, such shapes compile hundreds of
+    small programs, several times the whole program's time). The details' Python values
+    (sizes, flags) are taken from the trace."""
+    static = {}
+
+    def run(*a):
+        idx, sc, st, det = pipeline.dosa_topk(*a, cfg, return_details=True, **kw)
+        static.update({k: v for k, v in det.items() if isinstance(v, (bool, int))})
+        return idx, sc, st, {k: v for k, v in det.items() if k not in static}
+
+    idx, sc, st, det = jax.jit(run)(*args)
+    return idx, sc, st, dict(det, **static)
+
+
 def _check_unprunable_groups_go_straight_to_dense(inp, cfg):
     """A query that cannot prune (fewer than K visible keys: no τ) sends its group of 4 to the
     dense scan without screening; the answer is bitwise the dense one, counted as a recovery.
@@ -425,10 +441,9 @@ def test_dosa_overflow_recovers_exactly():
     """float32 inputs (two bf16 pieces each) and survivor lists too small: exact via recovery."""
     inp = synthetic.gaussian(T=8, N=700, H=4, D=32, seed=1)
     cfg = Config(top_k=32, retained_heads=2, seed_size=64, capacity=16)   # lists overflow
-    idx, sc, st, det = pipeline.dosa_topk(inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi, cfg,
-                                          tiles=TILES, splits=2, return_details=True)
-    didx, dsc = pipeline.dense_topk(inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi, cfg,
-                                    tiles=TILES, splits=2)
+    args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)
+    idx, sc, st, det = _jit_dosa_details(args, cfg, tiles=TILES, splits=2)
+    didx, dsc = jax.jit(lambda *a: pipeline.dense_topk(*a, cfg, tiles=TILES, splits=2))(*args)
     np.testing.assert_array_equal(np.asarray(idx), np.asarray(didx))
     np.testing.assert_array_equal(np.asarray(sc), np.asarray(dsc))
     assert int(jnp.sum(st.recoveries)) > 0
