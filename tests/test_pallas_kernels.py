@@ -98,10 +98,13 @@ def test_exact_topk_matches_reference_with_ties_nan_and_bad_guess():
     x[4, ::M // 300] += 10                      # exactly the sampled columns: guess too high
     x = jnp.asarray(x)
     valid = jnp.asarray(rng.random((T, M)) < 0.9)
+    # both under jax.jit: one program per call instead of ~40 small ones op by op
+    fast = jax.jit(lambda x, v: pselect.exact_topk(x, k, valid=v, min_columns=0, block=64,
+                                                   sample=300, return_stats=True))
+    ref = jax.jit(lambda x, v: ref_exact_topk(x, k, valid=v))
     for v in (None, valid):
-        i, s, st = pselect.exact_topk(x, k, valid=v, min_columns=0, block=64, sample=300,
-                                      return_stats=True)
-        ri, rs = ref_exact_topk(x, k, valid=v)
+        i, s, st = fast(x, v)
+        ri, rs = ref(x, v)
         np.testing.assert_array_equal(np.asarray(i), np.asarray(ri))
         np.testing.assert_array_equal(np.asarray(s), np.asarray(rs))
     assert int(st["fallback_rows"][4]) == 1
@@ -362,8 +365,10 @@ def test_group_seed_lists_with_witnesses_count_each_visible_key_once():
     lo = np.r_[np.zeros(8), [0, 2000, 100, 4000]].astype(np.int32)
     raw = np.concatenate([rng.integers(-3, N + 5, (3, 300)), np.tile(np.arange(0, 600, 7), (3, 1))],
                          axis=1)
-    wit = distinct_rows(jnp.asarray(raw, jnp.int32))
-    lists, cnt, seeds = group_seed_lists(jnp.asarray(lo), jnp.asarray(hi), T, 256, 16, 160, 32, wit)
+    # under jax.jit: one program each instead of ~100 small ones op by op (shapes of this test)
+    wit = jax.jit(distinct_rows)(jnp.asarray(raw, jnp.int32))
+    lists, cnt, seeds = jax.jit(group_seed_lists, static_argnums=(2, 3, 4, 5, 6))(
+        jnp.asarray(lo), jnp.asarray(hi), T, 256, 16, 160, 32, wit)
     lists, cnt, seeds, wit = map(np.asarray, (lists, cnt, seeds, wit))
     for t in range(T):
         g, b = divmod(t, 4)
@@ -387,7 +392,9 @@ def test_seed_scores_equal_dense_kernel_scores_bitwise():
     lo = jnp.asarray([0, 0, 40, 0, 0, 0, 0], jnp.int32)        # group 0 sees different ranges
     hi = jnp.asarray([300, 299, 298, 0, 300, 250, 300], jnp.int32)
     ops = dense.prepare_operands(inp.q, inp.w, inp.k, inp.k_scale, 4, layout=TILES.layout)
-    lists, cnt, _ = seeds.group_seed_lists(lo, hi, 8, 96, 8, 48, TILES.BK)
+    # the (integer) list builder under jax.jit: one program instead of ~100 small ones
+    lists, cnt, _ = jax.jit(seeds.group_seed_lists, static_argnums=(2, 3, 4, 5, 6))(
+        lo, hi, 8, 96, 8, 48, TILES.BK)
     got = np.asarray(seeds.seed_scores(ops, lists, cnt, tiles=TILES))
     # the dense kernel with K = N returns every visible key's kernel score
     didx, dsc = dense.dense_topk(inp.q, inp.k, inp.w, inp.k_scale, lo, hi, Config(top_k=300),
