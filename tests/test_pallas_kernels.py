@@ -22,6 +22,7 @@ from dosa_jax.selection import exact_topk as ref_exact_topk
 from pallas_kernels import dense, pipeline, records, screen
 from pallas_kernels import select as pselect
 from pallas_kernels.common import THETA_NONE, mma_pieces, on_gpu
+from kernel_checks import assert_screening_bound_holds_on_every_key, unpack_survivors
 
 ON_GPU = on_gpu()
 # one pytest-xdist worker runs this file: its tests share interpret-mode compilations
@@ -149,41 +150,11 @@ def test_screen_matches_twin(single_piece, layout, bq, keys_major):
     U = screen.screening_bound_reference(rows, row_w, agg, linear, coef, eps, ops.k, knorm,
                                          ops.scale, single_piece=single_piece)
     m = np.asarray(screen.survivors_reference(U, tau, prune, inp.lo, inp.hi))
-    # unpack the kernel's lists into a [T, N] mask
-    got = np.zeros_like(m)
-    packed, cnt = np.asarray(surv.packed), np.asarray(surv.count)
-    for g in range(packed.shape[0]):
-        for s in range(packed.shape[1]):
-            for e in packed[g, s, :cnt[g, s]]:
-                for b in range(4):
-                    if (e >> 27) >> b & 1 and 4 * g + b < T:
-                        got[4 * g + b, e & ((1 << 27) - 1)] = True
+    got = unpack_survivors(surv.packed, surv.count, T, m.shape[1])   # checks ascending ids
     near = np.abs(np.asarray(U) - np.asarray(tau)[:, None]) <= 1e-5 * (1 + np.abs(np.asarray(U)))
     assert np.all((got == m) | near)
     assert np.array_equal(np.asarray(surv.per_query).sum(1), got.sum(1))
     assert got[7].sum() == int(inp.hi[7] - inp.lo[7])          # prune off: everything survives
-    ids = [packed[g, s, :cnt[g, s]] & ((1 << 27) - 1) for g in range(packed.shape[0])
-           for s in range(2)]
-    assert all(np.all(np.diff(x) > 0) for x in ids)            # ascending, distinct
-
-
-def _assert_screening_bound_holds_on_every_key(inp, det):
-    """The Pallas pipeline's screening bound (plan + kernel coefficient, one or two MMA pieces)
-    is ≥ the kernels' score on every (query, key): checked on the twins, all keys. Without the
-    kernel's arithmetic allowance (plan residual only) the same check found 932 keys with U < s
-    on the bitwise test's bf16 input (measured on the CPU when this check was written)."""
-    from dosa_jax.enclosure import key_norm_upper
-    from pallas_kernels.scoring import score_reference
-    single = det["single_piece"]
-    assert single == (inp.q.dtype == jnp.bfloat16)
-    plan = det["plan"]
-    ops = dense.prepare_operands(inp.q, inp.w, inp.k, inp.k_scale, 4)
-    U = screen.screening_bound_reference(plan.rows, plan.row_weights, det["aggregate_rows"],
-                                         plan.aggregate_linear, det["coef"], det["eps"], ops.k,
-                                         key_norm_upper(inp.k), ops.scale, single_piece=single)
-    s = score_reference(mma_pieces(inp.q), inp.w, mma_pieces(inp.k), inp.k_scale)
-    U, s = np.asarray(U), np.asarray(s)
-    assert np.all(U >= s), f"{int(np.sum(U < s))} keys with U < s"
 
 
 def _jit_dosa_details(args, cfg, **kw):
@@ -253,7 +224,7 @@ def test_dosa_pallas_equals_dense_pallas_bitwise(tiles):
     assert int(jnp.sum(st.recoveries)) == 0
     assert int(jnp.sum(st.pruning)) > 0
     assert float(jnp.mean(st.survivors / st.visible)) < 1.0   # something was pruned
-    _assert_screening_bound_holds_on_every_key(inp, det)      # one-piece screen rows (bf16 q)
+    assert_screening_bound_holds_on_every_key(inp, det)      # one-piece screen rows (bf16 q)
     if tiles == TILES:
         _check_unprunable_groups_go_straight_to_dense(inp, cfg)
     # τ from the seed kernel and the radix search = the twin's K-th seed score
@@ -455,7 +426,7 @@ def test_dosa_overflow_recovers_exactly():
     np.testing.assert_array_equal(np.asarray(sc), np.asarray(dsc))
     assert int(jnp.sum(st.recoveries)) > 0
     assert int(jnp.sum(st.pruning)) > 0
-    _assert_screening_bound_holds_on_every_key(inp, det)      # two-piece screen rows (float32 q)
+    assert_screening_bound_holds_on_every_key(inp, det)      # two-piece screen rows (float32 q)
 
 
 def test_dosa_waves_equal_one_wave_bitwise():
