@@ -52,6 +52,13 @@ def pytest_configure_node(node):
     node.workerinput["dosa_compilation_cache"] = node.config._dosa_compilation_cache
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``slow`` run first (otherwise in collection order). Under ``-n 2 --dist
+    loadgroup`` the xdist groups go out first, then single tests in collection order: a long
+    test collected last (the notebook, the trained fixture) ran alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def pytest_unconfigure(config):
     owned = getattr(config, "_dosa_cache_owned", None)
     if owned:

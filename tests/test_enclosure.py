@@ -10,6 +10,7 @@ cases built so that it is tight — which shows the check can fail.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from proofs_numeric import enclosure
 
@@ -25,6 +26,7 @@ def _expected_batches(cases, pairs):
     return out
 
 
+@pytest.mark.slow
 def test_enclosure_holds_on_ten_million_adversarial_pairs():
     cases = enclosure.CASES_CPU
     r = enclosure.check(pairs=PAIRS, cases=cases)

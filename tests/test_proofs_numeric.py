@@ -26,6 +26,7 @@ def _no_x64_leak():
     assert not jax.config.jax_enable_x64, "a check left jax_enable_x64 on"
 
 
+@pytest.mark.slow
 def test_certificate_upper_bound_every_variant():
     kw = QUICK["certificate"]
     r = certificate.check(**kw)
@@ -39,6 +40,7 @@ def test_certificate_upper_bound_every_variant():
     assert r["violations"] == 0, _explain(r)
 
 
+@pytest.mark.slow
 def test_joint_allowance_and_upper_versions():
     kw = QUICK["joint_allowance"]
     r = joint_allowance.check(**kw)
@@ -87,6 +89,7 @@ def test_margin_equivalence_eq17():
     assert r["violations"] == 0, _explain(r)
 
 
+@pytest.mark.slow
 def test_exact_selection_theorem1():
     kw = QUICK["exact_selection"]
     r = exact_selection.check(**kw)

@@ -4,11 +4,13 @@ scaled FP8 keys, so "auto" picked r=4 and pruned nothing), and DoSA == dense."""
 
 import jax
 import numpy as np
+import pytest
 
 import dosa_jax
 from dosa_jax import datasets
 
 
+@pytest.mark.slow
 def test_auto_budget_prunes_on_trained_fp8_fixture():
     inp = datasets.trained("prose", 0)
     assert inp.k.dtype == np.dtype("float8_e4m3fn") or str(inp.k.dtype) == "float8_e4m3fn"
