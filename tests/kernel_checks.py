@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import dense, screen
+from pallas_kernels import dense, pipeline, screen
 from pallas_kernels.common import ID_BITS, ID_MASK, mma_pieces
 
 
@@ -42,3 +43,19 @@ def assert_screening_bound_holds_on_every_key(inp, det):
     s = score_reference(mma_pieces(inp.q), inp.w, mma_pieces(inp.k), inp.k_scale)
     U, s = np.asarray(U), np.asarray(s)
     assert np.all(U >= s), f"{int(np.sum(U < s))} keys with U < s"
+
+
+def jit_dosa_details(args, cfg, **kw):
+    """``pipeline.dosa_topk(*args, cfg, return_details=True, **kw)`` under jax.jit: one program
+    for a test whose shapes no other test shares (op by op, such shapes compile hundreds of
+    small programs, several times the whole program's time). The details' Python values
+    (sizes, flags) are taken from the trace."""
+    static = {}
+
+    def run(*a):
+        idx, sc, st, det = pipeline.dosa_topk(*a, cfg, return_details=True, **kw)
+        static.update({k: v for k, v in det.items() if isinstance(v, (bool, int))})
+        return idx, sc, st, {k: v for k, v in det.items() if k not in static}
+
+    idx, sc, st, det = jax.jit(run)(*args)
+    return idx, sc, st, dict(det, **static)

@@ -22,7 +22,8 @@ from dosa_jax.selection import exact_topk as ref_exact_topk
 from pallas_kernels import dense, pipeline, records, screen
 from pallas_kernels import select as pselect
 from pallas_kernels.common import THETA_NONE, mma_pieces, on_gpu
-from kernel_checks import assert_screening_bound_holds_on_every_key, unpack_survivors
+from kernel_checks import (assert_screening_bound_holds_on_every_key, jit_dosa_details,
+                           unpack_survivors)
 
 ON_GPU = on_gpu()
 # one pytest-xdist worker runs this file: its tests share interpret-mode compilations
@@ -155,22 +156,6 @@ def test_screen_matches_twin(single_piece, layout, bq, keys_major):
     assert np.all((got == m) | near)
     assert np.array_equal(np.asarray(surv.per_query).sum(1), got.sum(1))
     assert got[7].sum() == int(inp.hi[7] - inp.lo[7])          # prune off: everything survives
-
-
-def _jit_dosa_details(args, cfg, **kw):
-    """``pipeline.dosa_topk(*args, cfg, return_details=True, **kw)`` under jax.jit: one program
-    for a test whose shapes no other test shares (op by op, such shapes compile hundreds of
-    small programs, several times the whole program's time). The details' Python values
-    (sizes, flags) are taken from the trace."""
-    static = {}
-
-    def run(*a):
-        idx, sc, st, det = pipeline.dosa_topk(*a, cfg, return_details=True, **kw)
-        static.update({k: v for k, v in det.items() if isinstance(v, (bool, int))})
-        return idx, sc, st, {k: v for k, v in det.items() if k not in static}
-
-    idx, sc, st, det = jax.jit(run)(*args)
-    return idx, sc, st, dict(det, **static)
 
 
 def _check_unprunable_groups_go_straight_to_dense(inp, cfg):
@@ -420,7 +405,7 @@ def test_dosa_overflow_recovers_exactly():
     inp = synthetic.gaussian(T=8, N=700, H=4, D=32, seed=1)
     cfg = Config(top_k=32, retained_heads=2, seed_size=64, capacity=16)   # lists overflow
     args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)
-    idx, sc, st, det = _jit_dosa_details(args, cfg, tiles=TILES, splits=2)
+    idx, sc, st, det = jit_dosa_details(args, cfg, tiles=TILES, splits=2)
     didx, dsc = jax.jit(lambda *a: pipeline.dense_topk(*a, cfg, tiles=TILES, splits=2))(*args)
     np.testing.assert_array_equal(np.asarray(idx), np.asarray(didx))
     np.testing.assert_array_equal(np.asarray(sc), np.asarray(dsc))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import types
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,7 +19,8 @@ from dosa_jax import synthetic
 from dosa_jax.config import Config
 from dosa_jax.enclosure import key_norm_upper
 from pallas_kernels import dense, pipeline, screen
-from kernel_checks import assert_screening_bound_holds_on_every_key, unpack_survivors
+from kernel_checks import (assert_screening_bound_holds_on_every_key, jit_dosa_details,
+                           unpack_survivors)
 
 pytestmark = pytest.mark.xdist_group("pallas_kernels")
 TILES = dense.Tiles(BQ=4, BK=16, CH=32, refine_bk=0)
@@ -84,9 +86,8 @@ def test_dosa_with_two_budget_classes_equals_dense_bitwise():
     args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(pipeline, "DIRECT_SURVIVAL", 2.0)            # every group screens
-        idx, sc, st, det = pipeline.dosa_topk(*args, cfg, tiles=TILES_KC, splits=2,
-                                              return_details=True)
-    didx, dsc = pipeline.dense_topk(*args, cfg, tiles=TILES_KC, splits=2)
+        idx, sc, st, det = jit_dosa_details(args, cfg, tiles=TILES_KC, splits=2)
+    didx, dsc = jax.jit(lambda *a: pipeline.dense_topk(*a, cfg, tiles=TILES_KC, splits=2))(*args)
     np.testing.assert_array_equal(np.asarray(idx), np.asarray(didx))
     np.testing.assert_array_equal(np.asarray(sc), np.asarray(dsc))
     b = np.asarray(st.budget).reshape(-1, 4).max(axis=1)       # program classes (4 queries)
