@@ -255,33 +255,26 @@ def screen_by_budget(plan, budget, classes, agg_rows, coef, eps, tau, prune, lo,
     T = lo.shape[0]
     Dp = ops.k.shape[-1]
     classes = tuple(sorted(set(int(c) for c in classes)))
-    if len(classes) == 1:
-        cuts = [(classes[0], None)]
-    else:
-        cuts = [(c, c) for c in classes]
-
     A = agg_rows.shape[1]
     bqs = {c: screen_queries_per_program(screen_rows(c, A, tiles.screen_layout), T,
                                          tiles.screen_layout, tiles.screen_bq or None)
            for c in classes}
 
-    def operands(c, cut, Tq):
+    def operands(c, Tq):   # the plan rows cut to budget c (all of them for the largest class)
         padq = lambda a, v=0: jnp.pad(a, ((0, Tq - T),) + ((0, 0),) * (a.ndim - 1),
                                       constant_values=v)
-        rows = plan.rows if cut is None else plan.rows[:, :cut]
-        rw = plan.row_weights if cut is None else plan.row_weights[:, :cut]
-        return prepare_screen(padq(rows), padq(rw), padq(agg_rows), padq(plan.aggregate_linear),
-                              padq(coef), padq(eps), padq(tau, jnp.inf), padq(prune), Dp,
-                              single_piece=single_piece, layout=tiles.screen_layout,
-                              BQs=tiles.screen_bq or (bqs[c] if cut is not None else None))
+        return prepare_screen(padq(plan.rows[:, :c]), padq(plan.row_weights[:, :c]),
+                              padq(agg_rows), padq(plan.aggregate_linear), padq(coef), padq(eps),
+                              padq(tau, jnp.inf), padq(prune), Dp, single_piece=single_piece,
+                              layout=tiles.screen_layout, BQs=bqs[c])
 
     kw = dict(splits=splits, capacity=capacity, BK=tiles.screen_bk or tiles.BK,
               num_warps=tiles.screen_warps, num_stages=tiles.num_stages,
               keys_major=tiles.screen_keys_major, interpret=interpret)
     run = lambda sops, l, h, into=None: screen(sops, l, h, ops.k, knorm, ops.scale,
                                                packed_into=into, **kw)
-    if len(cuts) == 1:
-        return run(operands(classes[0], None, T), lo, hi)
+    if len(classes) == 1:
+        return run(operands(classes[0], T), lo, hi)
     # programs: blocks of the largest program size of the classes (sizes are powers of two)
     B = max(bqs.values())
     Tb = round_up(T, B)
@@ -295,10 +288,9 @@ def screen_by_budget(plan, budget, classes, agg_rows, coef, eps, tau, prune, lo,
     blk = cls[jnp.minimum(jnp.searchsorted(cls, need), len(classes) - 1)]
     blk = jnp.repeat(blk, B)                                               # [Tb] program class
     packed = count = per_query = None
-    for c, cut in cuts:
+    for c in classes:
         on = blk == c
-        s = run(operands(c, cut, Tb), jnp.where(on, pad(lo), 0), jnp.where(on, pad(hi), 0),
-                packed)
+        s = run(operands(c, Tb), jnp.where(on, pad(lo), 0), jnp.where(on, pad(hi), 0), packed)
         packed = s.packed
         g_on = on[::4][:, None]
         count = s.count if count is None else jnp.where(g_on, s.count, count)
