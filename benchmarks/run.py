@@ -148,15 +148,12 @@ def select_stages(x, k, iters=30):
     """exact_topk's default path cut into its stages, each timed alone (ms): the sampled
     guess θ₀, the filter kernel, the final selection over the record slots; and a
     streaming read of the same rows (``max`` per row) as the memory-bound floor."""
-    from dosa_jax.selection import order_key
     from pallas_kernels import records as rec
     from pallas_kernels import select as sel
     T, M = x.shape
     p = sel.filter_plan(T, M, k)
-    f_guess = jax.jit(lambda x: sel.sample_threshold(order_key(x[:, ::p["stride"]]), k, M))
-    f_filter = jax.jit(lambda x, th: sel._filter_rows(
-        x, None, th, K=k, S=p["S"], C=p["C"], BK=p["BK"], CH=p["CH"], num_warps=4,
-        interpret=False))
+    f_guess = jax.jit(lambda x: sel.guess_threshold(x, k, p))
+    f_filter = jax.jit(lambda x, th: sel.filter_rows(x, None, th, k=k, plan=p, interpret=False))
     f_final = jax.jit(lambda rk, ri, cnt: rec.select_from_records(rk, ri, cnt, k))
     th = f_guess(x)
     rk, ri, cnt, _ = f_filter(x, th)

@@ -117,6 +117,21 @@ def filter_plan(T: int, M: int, k: int, block: int = 512, splits=None, sample: i
                 stride=max(1, M // sample))
 
 
+def guess_threshold(scores: Array, k: int, plan: dict, valid=None) -> Array:
+    """Step 1, the guess θ₀ per row from its strided sample (:func:`sample_threshold`)."""
+    stride = plan["stride"]
+    skey = order_key(scores[:, ::stride])
+    if valid is not None:
+        skey = jnp.where(valid[:, ::stride], skey, INT32_MIN)
+    return sample_threshold(skey, k, scores.shape[1])
+
+
+def filter_rows(scores, valid_i8, theta0, *, k: int, plan: dict, interpret: bool):
+    """Step 2, the filter kernel with the plan's sizes: (order keys, ids, counts, appended)."""
+    return _filter_rows(scores, valid_i8, theta0, K=k, S=plan["S"], C=plan["C"], BK=plan["BK"],
+                        CH=plan["CH"], num_warps=4, interpret=interpret)
+
+
 def exact_topk(scores: Array, k: int, *, valid=None, splits=None, block: int = 512,
                sample: int = 16384, min_columns: int = 65536, interpret=None,
                return_stats: bool = False):
@@ -146,14 +161,9 @@ def exact_topk(scores: Array, k: int, *, valid=None, splits=None, block: int = 5
     if interpret is None:
         interpret = interpret_default()
     plan = filter_plan(T, M, k, block, splits, sample)
-    skey = order_key(scores[:, ::plan["stride"]])
-    v8 = None
-    if valid is not None:
-        skey = jnp.where(valid[:, ::plan["stride"]], skey, INT32_MIN)
-        v8 = valid.astype(jnp.int8)
-    theta0 = sample_threshold(skey, k, M)
-    run = functools.partial(_filter_rows, K=k, S=plan["S"], C=plan["C"], BK=plan["BK"],
-                            CH=plan["CH"], num_warps=4, interpret=interpret)
+    theta0 = guess_threshold(scores, k, plan, valid)
+    v8 = None if valid is None else valid.astype(jnp.int8)
+    run = functools.partial(filter_rows, k=k, plan=plan, interpret=interpret)
     rk, ri, cnt, app = run(scores, v8, theta0)
     # the guess θ₀ is valid iff at least k keys cleared it; otherwise filter again, unthresholded
     bad = jnp.sum(app, axis=1) < k
