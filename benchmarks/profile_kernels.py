@@ -12,8 +12,10 @@ Times (median of ``--iters`` after 2 warm-up calls, wall time around
   compaction), with the default or the given tiles;
 * ``dosa@spec`` / ``dense@spec`` (``--dosa``, :func:`benchmarks.run.parse_tiles`
   specs), each pair first checked bitwise (``check@spec``), and with ``--stages``
-  DoSA cut after its seeds, screen and refine, and cut after a screen that writes
-  no survivor (τ = +inf: ``dosa_until_screen_nowrite``).
+  DoSA cut after its seeds, screen and refine, cut after a screen that writes
+  no survivor (τ = +inf: ``dosa_until_screen_nowrite``), and cut after a refinement
+  that appends no record (θ₀ above every score: the gathers, scores and accept tests
+  run, no append, no compaction: ``dosa_until_refine_norecords``).
 
 With ``--ncu`` the script runs each jitted function once (for Nsight Compute;
 it then times nothing). Output: a JSON line per measurement on stdout.
@@ -50,6 +52,22 @@ def _without_survivors(fn):
         return fn()
     finally:
         pipeline.screen = orig
+
+
+def _without_records(fn):
+    """Trace ``fn`` with the pipeline's refinement given θ₀ above every order key (nothing is
+    appended, no buffer ever compacts)."""
+    from pallas_kernels import pipeline
+    orig = pipeline.refine
+
+    def refine(ops, lists, count, theta0, *args, **kw):
+        return orig(ops, lists, count, jnp.full_like(theta0, 2 ** 31 - 1), *args, **kw)
+
+    pipeline.refine = refine
+    try:
+        return fn()
+    finally:
+        pipeline.refine = orig
 
 
 def main(argv=None):
@@ -132,6 +150,9 @@ def main(argv=None):
             runs.append((f"dosa_until_screen_nowrite@{spec}", jax.jit(
                 lambda *x, t=t, c=c: _without_survivors(
                     lambda: pipeline.dosa_topk(*x, c, tiles=t, stop_after="screen")))))
+            runs.append((f"dosa_until_refine_norecords@{spec}", jax.jit(
+                lambda *x, t=t, c=c: _without_records(
+                    lambda: pipeline.dosa_topk(*x, c, tiles=t, stop_after="refine")))))
     ref = None
     for spec in filter(None, a.dense_tiles.split(",")):
         f = spec.split(":")

@@ -238,7 +238,7 @@ class DosaOptions(NamedTuple):
 
 def parse_tiles(spec):
     """``layout:BK:warps:stages[:screen_layout:screen_bq:screen_warps[:keys_major[:screen_bk``
-    ``[:widen_fp8[:refine_bk[:CH]]]]]]``[/seeds[/anchor_stride[/budget]]]``
+    ``[:widen_fp8[:refine_bk[:CH[:record_slots]]]]]]]``[/seeds[/anchor_stride[/budget]]]``
     -> (Tiles, DosaOptions).
 
     E.g. ``kh:128:4:3:kh:8:4/8192``, ``/8192/64`` (default tiles, 8192 seeds, anchors every
@@ -268,13 +268,16 @@ def parse_tiles(spec):
         t = t._replace(refine_bk=int(f[10]))
     if len(f) > 11:
         t = t._replace(CH=int(f[11]))
+    if len(f) > 12:
+        t = t._replace(record_slots=int(f[12]))
     return t, seeds
 
 
 def tiles_name(t, seeds=None):
     name = (f"{t.layout}:{t.BK}:{t.num_warps}:{t.num_stages}:{t.screen_layout}:{t.screen_bq}:"
             f"{t.screen_warps}:{int(t.screen_keys_major)}:{t.screen_bk}:{int(t.widen_fp8)}:"
-            f"{t.refine_bk}" + (f":{t.CH}" if t.CH != 512 else ""))
+            f"{t.refine_bk}" + (f":{t.CH}" if t.CH != 512 or t.record_slots else "")
+            + (f":{t.record_slots}" if t.record_slots else ""))
     return name if seeds is None else f"{name}/{seeds}"
 
 

@@ -76,6 +76,9 @@ class Tiles(NamedTuple):
     # FP8 keys (and queries) widened to bf16 once before the kernels (exact; common.mma_pieces)
     # instead of converted tile by tile inside them
     widen_fp8: bool = True
+    # record slots per (query, split) of the dense and refinement kernels (0: K + K/2 + BK,
+    # :func:`capacity_for`); at least K + BK is always used
+    record_slots: int = 0
 
 
 #: MMA layouts of the scoring and screening tiles (:func:`pallas_kernels.scoring.score_tile`).
@@ -103,6 +106,8 @@ def check_tiles(tiles: Tiles) -> Tiles:
         raise ValueError(f"tiles.refine_bk={tiles.refine_bk} needs tiles.layout='kc' (keys as MMA "
                          "rows: scores that do not depend on the tile's key count); with "
                          f"layout={tiles.layout!r} set tiles.refine_bk=0")
+    if tiles.record_slots < 0:
+        raise ValueError(f"tiles.record_slots must be >= 0 (0: default), got {tiles.record_slots}")
     if tiles.screen_bq < 0 or tiles.screen_bq % 4:
         raise ValueError(f"tiles.screen_bq must be 0 or a multiple of 4, got {tiles.screen_bq}")
     if tiles.num_warps not in (1, 2, 4, 8, 16) or tiles.screen_warps not in (1, 2, 4, 8, 16):
@@ -271,7 +276,7 @@ def dense_candidates(ops: Operands, lo, hi, theta0, K: int, *, splits: int = 1, 
     lo = jnp.pad(lo.astype(jnp.int32), (0, pad))
     hi = jnp.pad(hi.astype(jnp.int32), (0, pad))
     theta0 = jnp.pad(theta0.astype(jnp.int32), (0, pad), constant_values=THETA_NONE)
-    C = capacity_for(K, tiles.BK, capacity)
+    C = capacity_for(K, tiles.BK, capacity if capacity is not None else tiles.record_slots or None)
     return _dense_call(ops.q, ops.w, lo, hi, theta0, ops.k, ops.scale, K=K, splits=splits,
                        capacity=C, tiles=tiles, interpret=interpret, T=T, H=ops.H,
                        pairs=ops.pairs, fp8_mma=ops.fp8_mma)

@@ -403,7 +403,7 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
 
     # 4. refine survivors: s ≥ τ records, online threshold (record buffers of the recovery's
     # size, also when the refinement tiles are longer than the dense ones)
-    C = dense_mod.capacity_for(K, max(tiles.BK, tiles.refine_bk))
+    C = dense_mod.capacity_for(K, max(tiles.BK, tiles.refine_bk), tiles.record_slots or None)
     cand = refine(ops, slists, scount, theta_tau, K, capacity=C, tiles=tiles, interpret=interpret)
     if stop_after == "refine":
         return dict(tau=tau, count=cand.count[:T], key=cand.key[:T])

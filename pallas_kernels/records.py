@@ -8,13 +8,17 @@ so the output is deterministic and the kernels run in interpret mode on CPU.
 
 Online threshold (the "LiteTopK" filter; paper Sec. 3, SPEC §10): when some
 buffer could not take another tile (``count > C − BK``), the program finds,
-per query with at least K records, the K-th largest order key ``t`` among its
-records (32-step binary search over int32 keys, counting passes over the
-buffer) and compacts the buffer in place to exactly K records: all keys
-``> t`` and the lowest-id ``K − #{> t}`` keys equal to ``t``. From then on it
-accepts only keys ``> t`` (``strict``): a later key equal to ``t`` ranks
-after K held records with smaller ids (tie order: score desc, id asc), so it
-cannot enter the Top-K. ``t`` is a valid lower bound on τ* (K witnesses).
+per query with at least K records, a threshold ``t`` with K ≤ #{key ≥ t} ≤
+K + slack (:func:`rank_threshold`: a binary search over int32 order keys,
+one counting pass over the buffer per probe, stopped as soon as a probe lands
+in that window; ``slack`` is half the room beyond K + BK), compacts the
+buffer in place to the keys ≥ t, and from then on accepts keys ≥ t. ``t`` is
+a valid lower bound on τ* (K witnesses), so nothing of the Top-K is dropped.
+When ties at the K-th key leave no such t, ``t`` is the K-th largest key and
+the buffer keeps exactly K records — all keys ``> t`` and the lowest-id
+``K − #{> t}`` keys equal to ``t`` — and accepts only keys ``> t``
+(``strict``): a later key equal to ``t`` ranks after K held records with
+smaller ids (tie order: score desc, id asc), so it cannot enter the Top-K.
 With ``C ≥ K + BK`` a compaction always frees room for the next tile, so a
 buffer never overflows and never drops a candidate, whatever the data
 (massive ties included).
@@ -92,87 +96,126 @@ def append(key_ref, id_ref, base, count, theta_acc, key, ids, eligible, *, C: in
 
 
 def count_at_least(key_ref, base, count, t, *, CH: int, size: int, n_chunks):
-    """#{records with key ≥ t} per query ([BQ])."""
+    """#{records with key ≥ t} per query ([BQ]).
+
+    Each lane keeps its own partial counts over the chunks and the lanes are summed once at
+    the end: one cross-thread reduction per pass instead of one per chunk.
+    """
     lanes = jnp.arange(CH, dtype=jnp.int32)[None, :]
 
     def body(c, acc):
         slots = c * CH + lanes
         valid = slots < count[:, None]
         kk = load_slots(key_ref, base, slots, valid, size, other=INT32_MIN)
-        return acc + jnp.sum((valid & (kk >= t[:, None])).astype(jnp.int32), axis=1)
+        return acc + (valid & (kk >= t[:, None])).astype(jnp.int32)
 
-    return lax.fori_loop(0, n_chunks, body, jnp.zeros_like(count))
+    acc = lax.fori_loop(0, n_chunks, body, jnp.zeros((count.shape[0], CH), jnp.int32))
+    return jnp.sum(acc, axis=1)
 
 
-def kth_largest(key_ref, base, count, K: int, *, CH: int, size: int):
-    """K-th largest order key among each query's records (INT32_MIN+1 where count < K).
+def rank_threshold(key_ref, base, count, K: int, slack: int, *, CH: int, size: int):
+    """Per query, a threshold t with #{key ≥ t} ≥ K, as tight as ``slack`` asks.
 
-    Binary search on int32: the answer is the largest t with #{key ≥ t} ≥ K.
+    Binary search on int32 order keys for the largest t with #{key ≥ t} ≥ K (the K-th
+    largest key), stopped early for a query as soon as a probe t has
+    K ≤ #{key ≥ t} ≤ K + slack: then keeping the keys ≥ t keeps at most K + slack records
+    and every key of the Top-K. With ``slack = 0`` it stops at #{≥ t} = K exactly (any such
+    t), or runs to the K-th largest key. Queries with fewer than K records get
+    ``INT32_MIN + 1`` (below every record). A lane's search ends in at most 32 probes; the
+    loop ends when every lane's has.
+
+    Returns (t [BQ], #{key ≥ t} [BQ]).
     """
     n_chunks = cdiv(jnp.max(count), CH)
     lo0 = jnp.full_like(count, INT32_MIN + 1)
     hi0 = jnp.where(count >= K, jnp.full_like(count, INT32_MAX), lo0)
 
-    def step(_, lh):
-        lo, hi = lh
+    def cond(st):
+        return jnp.any(st[0] < st[1])
+
+    def step(st):
+        lo, hi, c_lo = st
+        live = lo < hi
         # ceil((lo + hi) / 2) without int32 overflow
         mid = (lo & hi) + ((lo ^ hi) >> 1) + ((lo ^ hi) & 1)
-        mid = jnp.where(lo < hi, mid, lo)
+        mid = jnp.where(live, mid, lo)
         c = count_at_least(key_ref, base, count, mid, CH=CH, size=size, n_chunks=n_chunks)
-        ok = c >= K
-        return jnp.where(ok, mid, lo), jnp.where(ok | (lo >= hi), hi, mid - 1)
+        ok = live & (c >= K)
+        lo_n = jnp.where(ok, mid, lo)
+        hi_n = jnp.where(ok, jnp.where(c <= K + slack, mid, hi), jnp.where(live, mid - 1, hi))
+        return lo_n, hi_n, jnp.where(ok, c, c_lo)
 
-    lo, _ = lax.fori_loop(0, 32, step, (lo0, hi0))
-    return lo
+    # all records are > INT32_MIN, so #{key ≥ lo0} = count
+    lo, _, c_lo = lax.while_loop(cond, step, (lo0, hi0, count))
+    return lo, c_lo
 
 
-def compact(key_ref, id_ref, base, count, t, K: int, *, CH: int, size: int, interpret: bool):
-    """Keep, in slot order, keys > t and the first K − #{> t} keys == t (queries with count ≥ K).
+def compact(key_ref, id_ref, base, count, t, trim, K: int, *, CH: int, size: int,
+            interpret: bool):
+    """Compact, in slot order, the buffers of queries with count ≥ K.
 
-    Returns the new counts (K for compacted queries, unchanged otherwise).
+    A query with ``trim`` set keeps the keys > t and the first K − #{> t} keys == t (t its
+    K-th largest key: exactly K records); the others keep the keys ≥ t. Returns the new counts
+    (unchanged where count < K).
     """
     do = count >= K
-    n_gt = count_at_least(key_ref, base, count, t + 1, CH=CH, size=size,
-                          n_chunks=cdiv(jnp.max(count), CH))
-    ties_wanted = K - n_gt
-    lanes = jnp.arange(CH, dtype=jnp.int32)[None, :]
     n_chunks = cdiv(jnp.max(count), CH)
+    lanes = jnp.arange(CH, dtype=jnp.int32)[None, :]
 
-    def body(c, carry):
-        kept, ties = carry
-        slots = c * CH + lanes
-        valid = slots < count[:, None]
-        kk = load_slots(key_ref, base, slots, valid, size, other=INT32_MIN)
-        ii = load_slots(id_ref, base, slots, valid, size, other=-1)
-        eq = valid & (kk == t[:, None])
-        eq_i = eq.astype(jnp.int32)
-        eq_rank = ties[:, None] + jnp.cumsum(eq_i, axis=1) - 1
-        keep = (valid & (kk > t[:, None])) | (eq & (eq_rank < ties_wanted[:, None]))
-        keep = jnp.where(do[:, None], keep, valid)
-        keep_i = keep.astype(jnp.int32)
-        pos = kept[:, None] + jnp.cumsum(keep_i, axis=1) - 1
-        barrier(interpret)  # every lane has read this chunk before any slot is rewritten
-        store_slots(key_ref, base, pos, kk, keep, size)
-        store_slots(id_ref, base, pos, ii, keep, size)
-        return kept + jnp.sum(keep_i, axis=1), ties + jnp.sum(eq_i, axis=1)
+    def run(ties: bool):
+        if ties:
+            n_gt = count_at_least(key_ref, base, count, t + 1, CH=CH, size=size,
+                                  n_chunks=n_chunks)
+            ties_wanted = K - n_gt
 
-    kept, _ = lax.fori_loop(0, n_chunks, body, (jnp.zeros_like(count), jnp.zeros_like(count)))
-    return kept
+        def body(c, carry):
+            kept, n_eq = carry
+            slots = c * CH + lanes
+            valid = slots < count[:, None]
+            kk = load_slots(key_ref, base, slots, valid, size, other=INT32_MIN)
+            ii = load_slots(id_ref, base, slots, valid, size, other=-1)
+            keep = valid & (kk >= t[:, None])
+            if ties:   # the tie order (score desc, id asc): the lowest-slot ties stay
+                eq_i = (valid & (kk == t[:, None])).astype(jnp.int32)
+                eq_rank = n_eq[:, None] + jnp.cumsum(eq_i, axis=1) - 1
+                keep = jnp.where(trim[:, None], (kk > t[:, None]) | (
+                    (eq_i != 0) & (eq_rank < ties_wanted[:, None])), keep)
+                n_eq = n_eq + jnp.sum(eq_i, axis=1)
+            keep = valid & jnp.where(do[:, None], keep, True)
+            keep_i = keep.astype(jnp.int32)
+            pos = kept[:, None] + jnp.cumsum(keep_i, axis=1) - 1
+            barrier(interpret)  # every lane has read this chunk before any slot is rewritten
+            store_slots(key_ref, base, pos, kk, keep, size)
+            store_slots(id_ref, base, pos, ii, keep, size)
+            return kept + jnp.sum(keep_i, axis=1), n_eq
+
+        z = jnp.zeros_like(count)
+        return lax.fori_loop(0, n_chunks, body, (z, z))[0]
+
+    return lax.cond(jnp.any(trim & do), lambda: run(True), lambda: run(False))
 
 
-def raise_threshold(key_ref, id_ref, base, count, theta, strict, K: int, *, CH: int, size: int,
-                    interpret: bool):
-    """Find the K-th largest record, compact to K records, raise the threshold.
+def raise_threshold(key_ref, id_ref, base, count, theta, strict, K: int, *, slack: int, CH: int,
+                    size: int, interpret: bool):
+    """Compact every buffer holding ≥ K records and raise its threshold.
 
-    Returns (count, theta, strict) with theta = max(theta, t) for queries with count ≥ K.
+    :func:`rank_threshold` finds t with K ≤ #{key ≥ t} (≤ K + ``slack`` unless ties at the
+    K-th key forbid it). Within the window the buffer keeps the keys ≥ t and from then on
+    accepts keys ≥ t; otherwise t is the K-th largest key, the buffer keeps exactly K records
+    (tie order) and accepts keys > t only. Either way t is a lower bound on τ* (≥ K witnesses)
+    and nothing of the Top-K is dropped. The accepted minimum never decreases.
+
+    Returns (count, theta, strict).
     """
     barrier(interpret)  # records appended by other lanes are visible
-    t = kth_largest(key_ref, base, count, K, CH=CH, size=size)
+    t, c_ge = rank_threshold(key_ref, base, count, K, slack, CH=CH, size=size)
     do = count >= K
-    new_count = compact(key_ref, id_ref, base, count, t, K, CH=CH, size=size,
+    trim = c_ge > K + slack
+    new_count = compact(key_ref, id_ref, base, count, t, trim, K, CH=CH, size=size,
                         interpret=interpret)
-    theta = jnp.where(do, jnp.maximum(theta, t), theta)
-    strict = jnp.where(do, jnp.ones_like(strict), strict)
+    raised = do & (t + trim.astype(jnp.int32) > theta_accept(theta, strict))
+    theta = jnp.where(raised, t, theta)
+    strict = jnp.where(raised, trim.astype(strict.dtype), strict)
     return new_count, theta, strict
 
 
@@ -186,6 +229,12 @@ def theta_accept(theta, strict):
     return theta + strict
 
 
+def compaction_slack(C: int, BK: int, K: int) -> int:
+    """Records a compaction may keep beyond K: half the room a buffer has beyond K + BK (so a
+    compaction always frees at least half of it, and never less than a tile)."""
+    return max(0, (C - BK - K) // 2)
+
+
 def maybe_raise(state, key_ref, id_ref, base, K: int, *, C: int, BK: int, CH: int, size: int,
                 interpret: bool):
     """Compact when some buffer could not take another tile of BK records."""
@@ -193,7 +242,8 @@ def maybe_raise(state, key_ref, id_ref, base, K: int, *, C: int, BK: int, CH: in
     need = jnp.max(count) > C - BK
     return lax.cond(
         need,
-        lambda s: raise_threshold(key_ref, id_ref, base, s[0], s[1], s[2], K, CH=CH, size=size,
+        lambda s: raise_threshold(key_ref, id_ref, base, s[0], s[1], s[2], K,
+                                  slack=compaction_slack(C, BK, K), CH=CH, size=size,
                                   interpret=interpret),
         lambda s: s, (count, theta, strict))
 
@@ -258,7 +308,8 @@ def select_from_records(rec_key: Array, rec_id: Array, count: Array, k: int):
 
 
 def kth_order_key_reference(scores: Array, valid: Array, k: int) -> Array:
-    """jnp twin of :func:`kth_largest` on score rows ([T, M] -> [T] order keys)."""
+    """K-th largest order key of score rows ([T, M] -> [T]); what :func:`rank_threshold`
+    returns with ``slack = 0`` when ties leave no t with #{≥ t} = K."""
     key = jnp.where(valid, order_key(scores), INT32_MIN)
     if scores.shape[-1] < k:
         return jnp.full(scores.shape[:-1], INT32_MIN + 1, jnp.int32)

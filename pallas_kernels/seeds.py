@@ -261,8 +261,8 @@ def kth_largest_keys(keys: Array, k: int, *, bits: int = RADIX_BITS):
 
     The largest t with ``#{key ≥ t} ≥ k``, decided ``bits`` bits at a time from
     the top (unsigned order: ``key ^ 0x80000000``): per pass, 2^bits − 1 counts
-    over the row. Same answer as :func:`pallas_kernels.records.kth_largest` and
-    the twin :func:`pallas_kernels.records.kth_order_key_reference`.
+    over the row. Same answer as the twin
+    :func:`pallas_kernels.records.kth_order_key_reference`.
 
     Returns:
       (K-th largest key [...] int32, ``THETA_NONE`` where fewer than k are eligible;
