@@ -26,10 +26,11 @@ if [ -z "${FINAL:-}" ]; then
     echo "select exit $?" | tee -a $OUT/log.txt; grep -v "^\s*$" $OUT/select_log.txt | tail -8
   fi
   if [ -n "${AB_OLD:-}" ]; then
-    PYTHONPATH=$AB_OLD:. timeout ${ABL_TIMEOUT:-380} python -m benchmarks.profile_kernels \
+    # run from inside $AB_OLD: python puts the working directory ahead of PYTHONPATH
+    (cd $AB_OLD && PYTHONPATH=.:$OLDPWD timeout ${ABL_TIMEOUT:-380} python -m benchmarks.profile_kernels \
       --T ${T:-4096} --N ${N:-1048576} --tiles "" --stages --iters ${ITERS:-5} \
       --runs "${OLD_RUNS:-}" --dosa "${OLD_SPECS:-/8192}" > $OUT/ablation_old.jsonl \
-      2> $OUT/ablation_old_err.txt
+      2> $OUT/ablation_old_err.txt)
     echo "old ablation exit $?" | tee -a $OUT/log.txt; cat $OUT/ablation_old.jsonl
     tail -3 $OUT/ablation_old_err.txt
   fi
