@@ -131,7 +131,7 @@ def rank_threshold(key_ref, base, count, K: int, slack: int, *, CH: int, size: i
     hi0 = jnp.where(count >= K, jnp.full_like(count, INT32_MAX), lo0)
 
     def cond(st):
-        return jnp.any(st[0] < st[1])
+        return jnp.max((st[0] < st[1]).astype(jnp.int32)) > 0   # (no reduce_or in Triton)
 
     def step(st):
         lo, hi, c_lo = st
@@ -192,7 +192,8 @@ def compact(key_ref, id_ref, base, count, t, trim, K: int, *, CH: int, size: int
         z = jnp.zeros_like(count)
         return lax.fori_loop(0, n_chunks, body, (z, z))[0]
 
-    return lax.cond(jnp.any(trim & do), lambda: run(True), lambda: run(False))
+    return lax.cond(jnp.max((trim & do).astype(jnp.int32)) > 0, lambda: run(True),
+                    lambda: run(False))
 
 
 def raise_threshold(key_ref, id_ref, base, count, theta, strict, K: int, *, slack: int, CH: int,
