@@ -4,9 +4,10 @@
 #   default: [GPU kernel tests (-m gpu) unless NO_TESTS] then exact_topk cut into stages
 #     plus the peak (SELECT=1), then the ablation at T=4096, N=1M on the trained indexer
 #     (benchmarks.profile_kernels --stages): DOSA_SPECS, restricted to RUNS;
-#   AB_OLD=<dir> (with the default mode): first the same ablation with <dir> ahead on PYTHONPATH
-#     (an export of an earlier commit's pallas_kernels/ and benchmarks/, sent with the device
-#     tool's carry), specs OLD_SPECS, runs OLD_RUNS -> ablation_old.jsonl: A/B in one call;
+#   AB_OLD="<dir> ..." (with the default mode): first the same ablation run from inside each
+#     <dir> (an export of another version's pallas_kernels/ and benchmarks/, sent with the
+#     device tool's carry), specs OLD_SPECS, runs OLD_RUNS -> ablation_old_<dir>.jsonl: A/B
+#     in one call;
 #   FINAL=1: XLA / dense / DoSA at 128K and 1M (SHAPES), exact_topk and the peak; then (unless
 #     NO_TESTS) the GPU kernel tests and the budget-class tests compiled for the GPU.
 # Usage (device tool): bash benchmarks/gpu_s7.sh
@@ -25,15 +26,15 @@ if [ -z "${FINAL:-}" ]; then
       --select-variants "${SELECT_VARIANTS:-}" --out $OUT/select > $OUT/select_log.txt 2>&1
     echo "select exit $?" | tee -a $OUT/log.txt; grep -v "^\s*$" $OUT/select_log.txt | tail -8
   fi
-  if [ -n "${AB_OLD:-}" ]; then
-    # run from inside $AB_OLD: python puts the working directory ahead of PYTHONPATH
-    (cd $AB_OLD && PYTHONPATH=.:$OLDPWD timeout ${ABL_TIMEOUT:-380} python -m benchmarks.profile_kernels \
+  for d in ${AB_OLD:-}; do   # each: ablation_old_<dir>.jsonl
+    # run from inside the export: python puts the working directory ahead of PYTHONPATH
+    (cd $d && PYTHONPATH=.:$OLDPWD timeout ${ABL_TIMEOUT:-380} python -m benchmarks.profile_kernels \
       --T ${T:-4096} --N ${N:-1048576} --tiles "" --stages --iters ${ITERS:-5} \
-      --runs "${OLD_RUNS:-}" --dosa "${OLD_SPECS:-/8192}" > $OUT/ablation_old.jsonl \
-      2> $OUT/ablation_old_err.txt)
-    echo "old ablation exit $?" | tee -a $OUT/log.txt; cat $OUT/ablation_old.jsonl
-    tail -3 $OUT/ablation_old_err.txt
-  fi
+      --runs "${OLD_RUNS:-}" --dosa "${OLD_SPECS:-/8192}" > $OUT/ablation_old_$d.jsonl \
+      2> $OUT/ablation_old_${d}_err.txt)
+    echo "ablation $d exit $?" | tee -a $OUT/log.txt; cat $OUT/ablation_old_$d.jsonl
+    tail -3 $OUT/ablation_old_${d}_err.txt
+  done
   if [ -n "${DOSA_SPECS:-}${DENSE_TILES:-}" ]; then
     timeout ${ABL_TIMEOUT:-380} python -m benchmarks.profile_kernels --T ${T:-4096} \
       --N ${N:-1048576} --tiles "${NR_TILES:-}" --stages --iters ${ITERS:-5} --runs "${RUNS:-}" \

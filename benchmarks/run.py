@@ -276,7 +276,7 @@ def parse_tiles(spec):
 def tiles_name(t, seeds=None):
     name = (f"{t.layout}:{t.BK}:{t.num_warps}:{t.num_stages}:{t.screen_layout}:{t.screen_bq}:"
             f"{t.screen_warps}:{int(t.screen_keys_major)}:{t.screen_bk}:{int(t.widen_fp8)}:"
-            f"{t.refine_bk}" + (f":{t.CH}" if t.CH != 512 or t.record_slots else "")
+            f"{t.refine_bk}" + (f":{t.CH}" if t.CH != 256 or t.record_slots else "")
             + (f":{t.record_slots}" if t.record_slots else ""))
     return name if seeds is None else f"{name}/{seeds}"
 

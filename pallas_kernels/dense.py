@@ -52,7 +52,11 @@ class Tiles(NamedTuple):
 
     BQ: int = 4          # queries per program (refinement group size, paper Sec. 3)
     BK: int = 64         # keys per tile
-    CH: int = 512        # record slots per pass of the threshold search
+    # record slots per pass of the threshold search and the compaction. 256 measured fastest
+    # on the H200 with the windowed search (session 8, T=4096, N=1M, 3K + BK slots: seeded
+    # dense 111 ms, DoSA 123 ms; 512: 135 / 126 ms; 128: slower); the dense kernel needs 193
+    # registers with 256 (ptxas, standalone Triton 3.6), 255 and spills with 512
+    CH: int = 256
     num_warps: int = 4
     num_stages: int = 3
     layout: str = "kc"   # MMA layout of the scoring tile (:func:`pallas_kernels.scoring.score_tile`)
@@ -222,14 +226,16 @@ def _dense_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, H: int, N: int, S: int,
 def capacity_for(K: int, BK: int, capacity=None) -> int:
     """Record slots per (query, split).
 
-    At least K + BK, so that a compaction (to K records) always frees room for
-    the next tile; by default K + K/2 + BK, so that a compaction happens only
-    after ≥ K/2 new records (a scan from θ = −∞ over N keys compacts about
-    2·ln(N/K) times). With exactly K + BK every tile that appends anything
-    after the first fill triggers a compaction: correct, but it made the first
-    H200 runs ~20× slower than the XLA baseline (BENCHMARKS.md).
+    At least K + BK, so that a compaction (to at most K + slack records,
+    :func:`pallas_kernels.records.compaction_slack`) always frees room for the
+    next tile; by default 3K + BK, so that a compaction keeps at most 2K
+    records and happens only after ≥ K new ones. With exactly K + BK every tile
+    that appends anything after the first fill triggers a compaction: correct,
+    but it made the first H200 runs ~20× slower than the XLA baseline; K + K/2 + BK
+    (sessions 1–7) measured slower than 3K + BK in session 8 (seeded dense at
+    T=4096, N=1M: 121 vs 111 ms with 256-slot chunks; BENCHMARKS.md).
     """
-    c = max(K + BK, capacity if capacity is not None else K + K // 2 + BK)
+    c = max(K + BK, capacity if capacity is not None else 3 * K + BK)
     return round_up(c, 16)
 
 
