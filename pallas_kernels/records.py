@@ -258,9 +258,10 @@ def scan_tiles(start, stop, tile_fn, theta0, key_ref, id_ref, base, K: int, *, C
     runs of tiles: each run is as long as the fullest buffer can surely absorb
     (``(C − max count) // BK`` tiles), so the inner loop holds no nested loop
     and Triton can software-pipeline its key loads. ``C ≥ K + BK`` guarantees
-    every run makes progress.
+    every run makes progress. A last compaction (``slack = 0``) leaves at most K
+    records in every buffer: the K best in tie order.
 
-    Returns ((count, theta, strict), appended).
+    Returns ((count ≤ K, theta, strict), appended).
     """
 
     def cond(c):
@@ -283,6 +284,12 @@ def scan_tiles(start, stop, tile_fn, theta0, key_ref, id_ref, base, K: int, *, C
 
     _, state, appended = lax.while_loop(
         cond, body, (start, scan_state(theta0), jnp.zeros_like(theta0)))
+    # end with at most K records per buffer (exactly its Top-K in tie order), so that the final
+    # selection reads K slots per buffer instead of C (select_from_records)
+    state = lax.cond(jnp.max(state[0]) > K,
+                     lambda s: raise_threshold(key_ref, id_ref, base, s[0], s[1], s[2], K, slack=0,
+                                               CH=CH, size=size, interpret=interpret),
+                     lambda s: s, state)
     return state, appended
 
 
@@ -294,10 +301,12 @@ def select_from_records(rec_key: Array, rec_id: Array, count: Array, k: int):
     Args:
       rec_key, rec_id: [T, S, C] order keys and ids (each split in ascending id
         order, splits in ascending id ranges, so slot position order is id order).
-      count: [T, S] valid records per split.
+      count: [T, S] valid records per split, at most k (:func:`scan_tiles` ends with a
+        compaction to k): only the first k slots of each split are read.
     Returns:
       (indices [T, k] int32, scores [T, k] float32) in contract order.
     """
+    rec_key, rec_id = rec_key[..., :k], rec_id[..., :k]
     T, S, C = rec_key.shape
     valid = jnp.arange(C, dtype=jnp.int32)[None, None, :] < count[:, :, None]
     from dosa_jax.selection import key_to_score
