@@ -17,6 +17,7 @@ round-to-nearest so that the true real value is below them (Eq. 26–28's
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 
 #: Unit roundoff of float32 round-to-nearest.
 U32 = 2.0 ** -24
@@ -34,6 +35,20 @@ def gamma(n: int, u: float = U32) -> float:
     if n * u >= 0.5:
         raise ValueError(f"gamma: n*u = {n * u} too large for a meaningful bound")
     return n * u / (1.0 - n * u)
+
+
+def rounded_to(x, dtype):
+    """The float32 value of ``x`` rounded to ``dtype`` (bf16, fp8, …), *kept* under jit.
+
+    ``x.astype(dtype).astype(float32)`` alone is not safe: with XLA's default
+    ``xla_allow_excess_precision`` the GPU compiler may drop the round trip (its
+    float-conversion simplification), so under ``jax.jit`` the "rounded" value is ``x`` itself
+    and every error term computed from it is zero while the kernels multiply the rounded
+    operands. Found on the H200: the screening bound of the budget-class test lost its
+    aggregate-split remainder under jit (1094 keys with U < s; eager: none). The optimization
+    barrier hides the pair from that simplification; the value is the correctly rounded cast.
+    """
+    return lax.optimization_barrier(jnp.asarray(x).astype(dtype)).astype(jnp.float32)
 
 
 def round_up(x):

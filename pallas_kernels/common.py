@@ -102,7 +102,7 @@ def mma_pieces(x: Array, mma_dtype=BF16, widen_fp8: bool = True) -> Array:
     if dt == FP8:
         return (x.astype(BF16) if widen_fp8 else x)[None]   # exact in bf16
     xf = x.astype(jnp.float32)
-    hi = xf.astype(BF16)
+    hi = lax.optimization_barrier(xf.astype(BF16))   # XLA may drop a bare f32 -> bf16 -> f32 trip
     lo = (xf - hi.astype(jnp.float32)).astype(BF16)
     return jnp.stack([hi, lo])
 
@@ -161,7 +161,12 @@ def piece_pairs(n_left: int, n_right: int):
 
 
 def pieces_value(pieces: Array) -> Array:
-    """float32 value represented by MMA pieces (the kernels' operand)."""
+    """float32 value represented by MMA pieces (the kernels' operand).
+
+    Through an optimization barrier: pieces made by a cast from float32 in the same jitted
+    program would otherwise let XLA drop the round trip (``dosa_jax.numerics.rounded_to``).
+    """
+    pieces = lax.optimization_barrier(pieces)
     v = pieces[0].astype(jnp.float32)
     for p in range(1, pieces.shape[0]):
         v = v + pieces[p].astype(jnp.float32)

@@ -114,8 +114,8 @@ def split_aggregate_bf16(aggregate: Array):
       ([T, 2A, D] float32 rows exactly representable in bf16, [T] float32 ‖e‖ upper).
     """
     a = aggregate.astype(jnp.float32)
-    hi = a.astype(jnp.bfloat16).astype(jnp.float32)
-    lo = (a - hi).astype(jnp.bfloat16).astype(jnp.float32)
+    hi = nm.rounded_to(a, jnp.bfloat16)      # (a bare astype round trip is dropped under jit)
+    lo = nm.rounded_to(a - hi, jnp.bfloat16)
     e = (a - hi) - lo                                  # both subtractions exact in float32
     err = jnp.sum(nm.norm_upper(e), axis=-1)
     return jnp.concatenate([hi, lo], axis=1), nm.inflate(err, aggregate.shape[1] + 1)

@@ -23,7 +23,7 @@ from dosa_jax.selection import INT32_MAX, INT32_MIN
 from pallas_kernels import records
 from pallas_kernels.common import interpret_default
 
-BQ, C, CH, K = 4, 96, 32, 40
+BQ, C, CH, K = 4, 128, 32, 40   # C a power of two: Triton tensors
 
 
 def _kernel(k_in, i_in, cnt_in, th_in, st_in, k_out, i_out, cnt_out, th_out, st_out, *, slack,

@@ -74,7 +74,8 @@ def split_aggregate_fp8(a):
         sc = jnp.exp2(jnp.ceil(jnp.log2(jnp.where(amax > 0, amax, 1.0) / FP8_MAX)))
         sc = jnp.where(amax > 0, sc, 1.0).astype(jnp.float32)
         v = (x / sc).astype(jnp.float8_e4m3fn)
-        return v, sc, v.astype(jnp.float32) * sc
+        # the payload's value through a barrier: XLA may drop a bare f32 -> fp8 -> f32 round trip
+        return v, sc, lax.optimization_barrier(v).astype(jnp.float32) * sc
 
     v0, s0, r0 = one(a)
     rem = a - r0  # exact: r0 is a's leading bits (Sterbenz-like; verified by the bound below anyway)
