@@ -80,7 +80,7 @@ class Tiles(NamedTuple):
     # FP8 keys (and queries) widened to bf16 once before the kernels (exact; common.mma_pieces)
     # instead of converted tile by tile inside them
     widen_fp8: bool = True
-    # record slots per (query, split) of the dense and refinement kernels (0: K + K/2 + BK,
+    # record slots per (query, split) of the dense and refinement kernels (0: 3K + BK,
     # :func:`capacity_for`); at least K + BK is always used
     record_slots: int = 0
 

@@ -13,8 +13,9 @@ SPEC §13). This is a *threshold select* over int32 order keys
    K-th largest when a buffer fills: never drops a candidate);
 3. **check** — if fewer than k keys of a row cleared θ₀ (the guess was too
    high), the row is filtered again with no threshold (counted, exact);
-4. **select** — ``lax.top_k`` over the few record slots (score desc, then
-   position asc = index asc), indices mapped back.
+4. **select** — ``lax.top_k`` over the records (each split's scan ends with
+   at most k of them, so k slots per split; score desc, then position asc =
+   index asc), indices mapped back.
 
 The whole row is read once from device memory (twice for a failed guess).
 Backend: Triton (``cumsum`` + masked stores at computed positions; SPEC §13).
