@@ -9,7 +9,8 @@
 #     device tool's carry), specs OLD_SPECS, runs OLD_RUNS -> ablation_old_<dir>.jsonl: A/B
 #     in one call;
 #   FINAL=1: XLA / dense / DoSA at 128K and 1M (SHAPES), exact_topk and the peak; then (unless
-#     NO_TESTS) the GPU kernel tests and the budget-class tests compiled for the GPU.
+#     NO_TESTS) the GPU kernel tests, and the budget-class, record-buffer and jit round-trip
+#     tests compiled for the GPU (ONLY_TESTS=1: those tests alone, no benchmark).
 # Usage (device tool): bash benchmarks/gpu_s7.sh
 set -o pipefail
 mkdir -p $OUT
@@ -43,18 +44,25 @@ if [ -z "${FINAL:-}" ]; then
     echo "ablation exit $?" | tee -a $OUT/log.txt; cat $OUT/ablation.jsonl; tail -3 $OUT/ablation_err.txt
   fi
 else
-  timeout ${BENCH_TIMEOUT:-540} python -m benchmarks.run --data ${DATA:-trained:code:2} \
-    --sections shapes,select,peak --iters ${ITERS:-10} \
-    --shapes "${SHAPES:-prefill_T16k_N128k_H32@/8192,prefill_T16k_N1024k_H32@/8192}" \
-    --select-variants "" --out $OUT > $OUT/bench_log.txt 2>&1; echo "benchmark exit $?" | tee -a $OUT/log.txt
-  grep -v "^\s*$" $OUT/bench_log.txt | tail -30
+  if [ -z "${ONLY_TESTS:-}" ]; then
+    timeout ${BENCH_TIMEOUT:-540} python -m benchmarks.run --data ${DATA:-trained:code:2} \
+      --sections shapes,select,peak --iters ${ITERS:-10} \
+      --shapes "${SHAPES:-prefill_T16k_N128k_H32@/8192,prefill_T16k_N1024k_H32@/8192}" \
+      --select-variants "" --out $OUT > $OUT/bench_log.txt 2>&1
+    echo "benchmark exit $?" | tee -a $OUT/log.txt
+    grep -v "^\s*$" $OUT/bench_log.txt | tail -30
+  fi
   if [ -z "${NO_TESTS:-}" ]; then   # after the figures: the GPU kernel tests, then the class tests
     timeout ${TEST_TIMEOUT:-170} python -m pytest -o addopts="" -q -m gpu -k "${TESTS_K:-}" \
       tests/test_pallas_kernels.py tests/test_screen_classes.py -p no:cacheprovider \
       > $OUT/tests.txt 2>&1
     echo "pytest -m gpu exit $?" | tee -a $OUT/log.txt; tail -3 $OUT/tests.txt
-    timeout ${CLASS_TEST_TIMEOUT:-60} python -m pytest -o addopts="" -q \
-      tests/test_screen_classes.py -p no:cacheprovider > $OUT/tests_classes.txt 2>&1
+    # compiled for the GPU and under jax.jit: the budget classes, the record buffers and the
+    # rounding round trips XLA's GPU compiler may drop (session 8)
+    timeout ${CLASS_TEST_TIMEOUT:-90} python -m pytest -o addopts="" -q \
+      tests/test_screen_classes.py tests/test_records.py \
+      tests/test_enclosure.py::test_rounding_round_trips_survive_jit -p no:cacheprovider \
+      > $OUT/tests_classes.txt 2>&1
     echo "pytest classes exit $?" | tee -a $OUT/log.txt; tail -3 $OUT/tests_classes.txt
   fi
 fi
