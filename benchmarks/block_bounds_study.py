@@ -13,7 +13,9 @@ keys:
   times the block's largest (or, for a negative value, smallest) key scale.
 
 Both are counted per query and per program of 8 queries (a screening program can skip a block
-only when all its queries reject it). The summaries' bounds use real numbers, not an upward
+only when all its queries reject it). ``--budgets r,...`` also prints, for plans with a fixed
+retained-head budget r, the key survival and the fraction of (8-query program, block) pairs
+with no survivor: what a cheaper pre-screen with fewer rows could let the full screen skip. The summaries' bounds use real numbers, not an upward
 enclosure: they overstate what a sound kernel could reject, never understate it.
 
     python -m benchmarks.block_bounds_study --length 131072 --queries 64 [--npz dump.npz]
@@ -41,12 +43,12 @@ def load(a):
     return f(q[-n:]), f(k), f(w[-n:]), f(sc), np.asarray(lo[-n:]), np.asarray(hi[-n:])
 
 
-def plans(q, k, w, sc, lo, hi, seeds: int, tile: int = 32):
+def plans(q, k, w, sc, lo, hi, seeds: int, tile: int = 32, budget="auto"):
     """The reference planner's plan fields (float64) and τ per query."""
     import jax.numpy as jnp
     from dosa_jax.config import Config
     from dosa_jax.pipeline import plan_tile, prepare_keys
-    cfg = Config(top_k=2048, seed_size=seeds)
+    cfg = Config(top_k=2048, seed_size=seeds, retained_heads=budget)
     keys = prepare_keys(jnp.asarray(k), jnp.asarray(sc), cfg.key_block)
     tps = [plan_tile(*(jnp.asarray(x[i:i + tile]) for x in (q, w, lo, hi)), keys, cfg)
            for i in range(0, q.shape[0], tile)]
@@ -56,6 +58,15 @@ def plans(q, k, w, sc, lo, hi, seeds: int, tile: int = 32):
                 lin=cat(lambda t: t.plan.aggregate_linear) > 0,
                 coef=cat(lambda t: t.plan.residual + t.plan.error),
                 eps=cat(lambda t: t.plan.eps_raw), tau=cat(lambda t: t.tau))
+
+
+def certificate(p, kb, kn, al):
+    """U (Eq. 9, real numbers) for every (query, key) [T, N]."""
+    y = np.einsum("trd,nd->tnr", p["rows"], kb)
+    z = np.einsum("td,nd->tn", p["A"], kb)
+    return ((np.maximum(y, 0) * p["w"][:, None, :]).sum(-1)
+            - np.where(p["lin"][:, None], z, np.maximum(z, 0))
+            + kn[None] * p["coef"][:, None] + p["eps"][:, None]) * al[None]
 
 
 def block_bound(p, ylo, yhi, zlo, nmax, amax, amin):
@@ -76,17 +87,14 @@ def main(argv=None):
     ap.add_argument("--npz", default="", help="cached q, k (payloads), w, sc, lo, hi")
     ap.add_argument("--blocks", default="64,128,256")
     ap.add_argument("--ranks", default="4,8,16,32")
+    ap.add_argument("--budgets", default="", help="fixed budgets r for the pre-screen table")
     a = ap.parse_args(argv)
     q, k, w, sc, lo, hi = load(a)
     p = plans(q, k, w, sc, lo, hi, a.seeds)
     kb, al = k.astype(np.float64), sc.astype(np.float64)
     T, N = q.shape[0], kb.shape[0]
     kn = np.linalg.norm(kb, axis=1)
-    y = np.einsum("trd,nd->tnr", p["rows"], kb)
-    z = np.einsum("td,nd->tn", p["A"], kb)
-    U = ((np.maximum(y, 0) * p["w"][:, None, :]).sum(-1)
-         - np.where(p["lin"][:, None], z, np.maximum(z, 0))
-         + kn[None] * p["coef"][:, None] + p["eps"][:, None]) * al[None]
+    U = certificate(p, kb, kn, al)
     ids = np.arange(N)
     vis = (ids[None] >= lo[:, None]) & (ids[None] < hi[:, None])
     surv = (U >= p["tau"][:, None]) & vis
@@ -146,6 +154,16 @@ def main(argv=None):
             i8 = ideal.reshape(T // 8, 8, nb).all(1)
             print(f"| {BK} | {name} | {rej.mean():.3f} | {ideal.mean():.3f} | {r8.mean():.3f} | "
                   f"{i8.mean():.3f} |", flush=True)
+
+    if a.budgets:
+        print("\n| fixed budget r | key survival | 8-query x 64-key blocks with no survivor |")
+        print("|---|---|---|")
+        nb = N // 64
+        for r in map(int, a.budgets.split(",")):
+            s_r = (certificate(plans(q, k, w, sc, lo, hi, a.seeds, budget=r), kb, kn, al)
+                   >= p["tau"][:, None]) & vis
+            none8 = ~s_r[:, :nb * 64].reshape(T // 8, 8, nb, 64).any(axis=(1, 3))
+            print(f"| {r} | {s_r.sum() / vis.sum():.4f} | {none8.mean():.3f} |", flush=True)
 
 
 if __name__ == "__main__":
