@@ -55,7 +55,8 @@ class Tiles(NamedTuple):
     # record slots per pass of the threshold search and the compaction. 256 measured fastest
     # on the H200 with the windowed search (session 8, T=4096, N=1M, 3K + BK slots: seeded
     # dense 111 ms, DoSA 123 ms; 512: 135 / 126 ms; 128: slower); the dense kernel needs 193
-    # registers with 256 (ptxas, standalone Triton 3.6), 255 and spills with 512
+    # registers with 256 (205 with the scan's final compaction; ptxas, standalone Triton 3.6),
+    # 255 and spills with 512
     CH: int = 256
     num_warps: int = 4
     num_stages: int = 3
