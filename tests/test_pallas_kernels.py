@@ -169,7 +169,7 @@ def _check_unprunable_groups_go_straight_to_dense(inp, cfg):
     lo = inp.lo.at[5].set(inp.hi[5] - 20)               # 20 visible keys < K = 32
     args = (inp.q, inp.k, inp.w, inp.k_scale, lo, inp.hi)
     didx, dsc = pipeline.dense_topk(*args, cfg, tiles=TILES, splits=2)
-    idx, sc, st, det = jit_dosa_details(args, cfg, tiles=TILES, splits=2)
+    idx, sc, st, det = pipeline.dosa_topk(*args, cfg, tiles=TILES, splits=2, return_details=True)
     np.testing.assert_array_equal(np.asarray(idx), np.asarray(didx))
     np.testing.assert_array_equal(np.asarray(sc), np.asarray(dsc))
     assert list(np.asarray(det["direct"])) == [False] * 4 + [True] * 4
@@ -178,8 +178,7 @@ def _check_unprunable_groups_go_straight_to_dense(inp, cfg):
     assert not bool(st.pruning[5])
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(pipeline, "DIRECT_SURVIVAL", -1.0)
-        idx2, sc2, st2 = jax.jit(lambda *a: pipeline.dosa_topk(*a, cfg, tiles=TILES, splits=2))(
-            *args)
+        idx2, sc2, st2 = pipeline.dosa_topk(*args, cfg, tiles=TILES, splits=2)
     np.testing.assert_array_equal(np.asarray(idx2), np.asarray(didx))
     np.testing.assert_array_equal(np.asarray(sc2), np.asarray(dsc))
     assert int(jnp.sum(st2.recoveries)) == 8
@@ -202,10 +201,8 @@ def test_dosa_pallas_equals_dense_pallas_bitwise(tiles):
     to dense."""
     inp = _bitwise_inputs()
     cfg = BITWISE_CFG
-    # under jax.jit, as models call it (XLA may rewrite a jitted program: session 8 found a
-    # rounding round trip dropped under jit on the GPU), and one program to compile on CPU
-    idx, sc, st, det = jit_dosa_details((inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi), cfg,
-                                        tiles=tiles, splits=2)
+    idx, sc, st, det = pipeline.dosa_topk(inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi, cfg,
+                                          tiles=tiles, splits=2, return_details=True)
     didx, dsc = pipeline.dense_topk(inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi, cfg,
                                     tiles=tiles, splits=2)
     np.testing.assert_array_equal(np.asarray(idx), np.asarray(didx))
