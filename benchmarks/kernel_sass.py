@@ -100,6 +100,7 @@ def compile_kernel(ttir_path: str, num_warps: int, num_stages: int) -> dict:
     return dict(kernel=os.path.basename(base), registers=int(regs.group(1)) if regs else None,
                 spill_store_bytes=int(spill.group(1)) if spill else None,
                 shared_bytes=k.metadata.shared, HGMMA=count(r"\bHGMMA\."),
+                QGMMA=count(r"\bQGMMA\."), HMMA=count(r"\bHMMA\."),
                 HGMMA_register_A=count(r"HGMMA\.\S+ R\d+, R\d+,"), LDS=count(r"\bLDS[.\s]"),
                 LDS_U16=count(r"\bLDS\.U16\b"), LDSM=count(r"\bLDSM\b"),
                 BAR_SYNC=count(r"BAR\.SYNC"), LDGSTS_128=count(r"LDGSTS\.E\.BYPASS\.128"),

@@ -391,6 +391,13 @@ def shape_section(res, shape, data, iters, with_xla=True, tiles_spec="", stages=
             tm("dense_pallas_fp8mma", f_dense8)
         except Exception as e:  # noqa: BLE001
             out["fp8mma_error"] = repr(e)[:300]
+        try:   # the same, compiled with maxNumImpreciseAcc on its FP8 dots (wgmma, not mma.sync)
+            from benchmarks.fp8_dot import fast_fp8_accumulation
+            with fast_fp8_accumulation():
+                f_fast = f_dense8.lower(*args).compile()
+            tm("dense_pallas_fp8mma_fastacc", f_fast)
+        except Exception as e:  # noqa: BLE001
+            out["fp8mma_fastacc_error"] = repr(e)[:300]
     if with_xla:
         tm("xla_baseline", f_xla, warmup=1)
     out["times_ms"] = {k_: v * 1e3 for k_, v in times.items()}
@@ -499,7 +506,7 @@ def write_report(res, path):
                       f"equal={o['equal']}"]
     if "shapes" in res:
         lines += ["| shape | data | XLA ms | dense ms (seeded) | dense ms (from −inf) | "
-                  "dense fp8-MMA ms | DoSA ms | DoSA/XLA | "
+                  "dense fp8-MMA ms (plain / fast acc.) | DoSA ms | DoSA/XLA | "
                   "DoSA/dense | dense TFLOP/s | survival | tau/tau* | recov | workspace GiB | "
                   "XLA temp GiB | dosa==dense |", "|" + "---|" * 16]
         for name, o in res["shapes"].items():
@@ -507,7 +514,8 @@ def write_report(res, path):
             g = lambda k_: f"{t[k_]:.1f}" if k_ in t else "-"
             lines.append(
                 f"| {name} | {o['data']} | {g('xla_baseline')} | {g('dense_pallas')} | "
-                f"{g('dense_pallas_unseeded')} | {g('dense_pallas_fp8mma')} | {g('dosa_pallas')} | "
+                f"{g('dense_pallas_unseeded')} | {g('dense_pallas_fp8mma')} / "
+                f"{g('dense_pallas_fp8mma_fastacc')} | {g('dosa_pallas')} | "
                 f"{o.get('dosa_vs_xla', float('nan')):.1f} | {o.get('dosa_vs_dense', float('nan')):.2f} | "
                 f"{o.get('tflops', {}).get('dense_pallas', float('nan')):.0f} | "
                 f"{o['survival']:.3f} | {o['tau_over_tau_star']} | {o['recoveries']} | "
