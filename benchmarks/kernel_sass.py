@@ -18,10 +18,32 @@ conversion this way).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import subprocess
 import sys
+
+
+@contextlib.contextmanager
+def triton_modules():
+    """Within the block, every Pallas Triton kernel lowered appends (kernel name, Triton IR
+    text) to the yielded list (lower with ``lowering_platforms=("cuda",)``: no GPU needed)."""
+    from jax._src.pallas.triton import pallas_call_registration as reg
+    seen = []
+    orig = reg.lowering.lower_jaxpr_to_triton_module
+
+    def capture(jaxpr, grid_mapping, *a, **kw):
+        res = orig(jaxpr, grid_mapping, *a, **kw)
+        name = getattr(getattr(jaxpr, "debug_info", None), "func_name", "kernel")
+        seen.append((name, res.module.operation.get_asm(enable_debug_info=False)))
+        return res
+
+    reg.lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        yield seen
+    finally:
+        reg.lowering.lower_jaxpr_to_triton_module = orig
 
 
 def lower_kernels(out_dir: str, T: int, N: int, H: int, D: int, K: int, tiles_spec: str,
@@ -29,35 +51,25 @@ def lower_kernels(out_dir: str, T: int, N: int, H: int, D: int, K: int, tiles_sp
     """Lower the kernels for CUDA and write ``NN_<kernel>.ttir`` files; returns their paths."""
     import jax
     import jax.numpy as jnp
-    from jax._src.pallas.triton import pallas_call_registration as reg
     from benchmarks.run import parse_tiles
     from pallas_kernels import dense as dense_mod, pipeline
 
-    paths = []
-    orig = reg.lowering.lower_jaxpr_to_triton_module
-
-    def capture(jaxpr, grid_mapping, *a, **kw):
-        res = orig(jaxpr, grid_mapping, *a, **kw)
-        name = getattr(getattr(jaxpr, "debug_info", None), "func_name", "kernel")
-        path = os.path.join(out_dir, f"{len(paths):02d}_{name}.ttir")
-        with open(path, "w") as f:
-            f.write(res.module.operation.get_asm(enable_debug_info=False))
-        paths.append(path)
-        return res
-
-    reg.lowering.lower_jaxpr_to_triton_module = capture
-    try:
-        tiles, opts = parse_tiles(tiles_spec)
-        cfg = opts.config(K)
-        S = jax.ShapeDtypeStruct
-        args = (S((T, H, D), jnp.bfloat16), S((N, D), jnp.float8_e4m3fn), S((T, H), jnp.float32),
-                S((N,), jnp.float32), S((T,), jnp.int32), S((T,), jnp.int32))
-        fns = dict(dense=lambda *x: dense_mod.dense_topk(*x, cfg, tiles=tiles, interpret=False),
-                   dosa=lambda *x: pipeline.dosa_topk(*x, cfg, tiles=tiles, interpret=False)[:2])
+    tiles, opts = parse_tiles(tiles_spec)
+    cfg = opts.config(K)
+    S = jax.ShapeDtypeStruct
+    args = (S((T, H, D), jnp.bfloat16), S((N, D), jnp.float8_e4m3fn), S((T, H), jnp.float32),
+            S((N,), jnp.float32), S((T,), jnp.int32), S((T,), jnp.int32))
+    fns = dict(dense=lambda *x: dense_mod.dense_topk(*x, cfg, tiles=tiles, interpret=False),
+               dosa=lambda *x: pipeline.dosa_topk(*x, cfg, tiles=tiles, interpret=False)[:2])
+    with triton_modules() as seen:
         for w in which:
             jax.jit(fns[w]).trace(*args).lower(lowering_platforms=("cuda",))
-    finally:
-        reg.lowering.lower_jaxpr_to_triton_module = orig
+    paths = []
+    for i, (name, asm) in enumerate(seen):
+        path = os.path.join(out_dir, f"{i:02d}_{name}.ttir")
+        with open(path, "w") as f:
+            f.write(asm)
+        paths.append(path)
     return paths
 
 

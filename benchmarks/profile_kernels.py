@@ -38,36 +38,30 @@ def _time(fn, *args, iters=7):
     return ms, LAST_TIMING["wall_median"] * 1e3, LAST_TIMING["clock"]
 
 
-def _without_survivors(fn):
-    """Trace ``fn`` with the pipeline's screen given τ = +inf (every key rejected: the
-    kernel computes every bound and survival test, and never runs its compaction)."""
+def _with_pipeline_stage(name, wrap, fn):
+    """Trace ``fn`` with ``pallas_kernels.pipeline.<name>`` replaced by ``wrap(original)``."""
     from pallas_kernels import pipeline
-    orig = pipeline.screen
-
-    def screen(sops, *args, **kw):
-        return orig(sops._replace(tau=jnp.full_like(sops.tau, jnp.inf)), *args, **kw)
-
-    pipeline.screen = screen
+    orig = getattr(pipeline, name)
+    setattr(pipeline, name, wrap(orig))
     try:
         return fn()
     finally:
-        pipeline.screen = orig
+        setattr(pipeline, name, orig)
+
+
+def _without_survivors(fn):
+    """Trace ``fn`` with the pipeline's screen given τ = +inf (every key rejected: the
+    kernel computes every bound and survival test, and never runs its compaction)."""
+    return _with_pipeline_stage("screen", lambda orig: lambda sops, *a, **kw: orig(
+        sops._replace(tau=jnp.full_like(sops.tau, jnp.inf)), *a, **kw), fn)
 
 
 def _without_records(fn):
     """Trace ``fn`` with the pipeline's refinement given θ₀ above every order key (nothing is
     appended, no buffer ever compacts)."""
-    from pallas_kernels import pipeline
-    orig = pipeline.refine
-
-    def refine(ops, lists, count, theta0, *args, **kw):
-        return orig(ops, lists, count, jnp.full_like(theta0, 2 ** 31 - 1), *args, **kw)
-
-    pipeline.refine = refine
-    try:
-        return fn()
-    finally:
-        pipeline.refine = orig
+    return _with_pipeline_stage("refine", lambda orig: lambda ops, lists, count, theta0, *a, **kw:
+                                orig(ops, lists, count, jnp.full_like(theta0, 2 ** 31 - 1), *a,
+                                     **kw), fn)
 
 
 def main(argv=None):

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from dosa_jax.numerics import rounded_to
 from dosa_jax.selection import INT32_MIN
 
 Array = jax.Array
@@ -102,9 +103,8 @@ def mma_pieces(x: Array, mma_dtype=BF16, widen_fp8: bool = True) -> Array:
     if dt == FP8:
         return (x.astype(BF16) if widen_fp8 else x)[None]   # exact in bf16
     xf = x.astype(jnp.float32)
-    hi = lax.optimization_barrier(xf.astype(BF16))   # XLA may drop a bare f32 -> bf16 -> f32 trip
-    lo = (xf - hi.astype(jnp.float32)).astype(BF16)
-    return jnp.stack([hi, lo])
+    hi = rounded_to(xf, BF16)     # (a bare f32 -> bf16 -> f32 round trip may be dropped under jit)
+    return jnp.stack([hi.astype(BF16), (xf - hi).astype(BF16)])
 
 
 def row_pieces(x: Array, single: bool) -> Array:

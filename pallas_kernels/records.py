@@ -236,17 +236,15 @@ def compaction_slack(C: int, BK: int, K: int) -> int:
     return max(0, (C - BK - K) // 2)
 
 
-def maybe_raise(state, key_ref, id_ref, base, K: int, *, C: int, BK: int, CH: int, size: int,
+def raise_above(limit, state, key_ref, id_ref, base, K: int, *, slack: int, CH: int, size: int,
                 interpret: bool):
-    """Compact when some buffer could not take another tile of BK records."""
-    count, theta, strict = state
-    need = jnp.max(count) > C - BK
+    """:func:`raise_threshold` when some buffer holds more than ``limit`` records; else
+    ``state`` (count, theta, strict) unchanged."""
     return lax.cond(
-        need,
-        lambda s: raise_threshold(key_ref, id_ref, base, s[0], s[1], s[2], K,
-                                  slack=compaction_slack(C, BK, K), CH=CH, size=size,
-                                  interpret=interpret),
-        lambda s: s, (count, theta, strict))
+        jnp.max(state[0]) > limit,
+        lambda s: raise_threshold(key_ref, id_ref, base, s[0], s[1], s[2], K, slack=slack,
+                                  CH=CH, size=size, interpret=interpret),
+        lambda s: s, state)
 
 
 def scan_tiles(start, stop, tile_fn, theta0, key_ref, id_ref, base, K: int, *, C: int, BK: int,
@@ -269,7 +267,9 @@ def scan_tiles(start, stop, tile_fn, theta0, key_ref, id_ref, base, K: int, *, C
 
     def body(c):
         j, state, appended = c
-        state = maybe_raise(state, key_ref, id_ref, base, K, C=C, BK=BK, CH=CH, size=size,
+        # compact when some buffer could not take another tile of BK records
+        state = raise_above(C - BK, state, key_ref, id_ref, base, K,
+                            slack=compaction_slack(C, BK, K), CH=CH, size=size,
                             interpret=interpret)
         room = jnp.maximum((C - jnp.max(state[0])) // BK, 1)
         j_end = jnp.minimum(j + room, stop)
@@ -286,10 +286,8 @@ def scan_tiles(start, stop, tile_fn, theta0, key_ref, id_ref, base, K: int, *, C
         cond, body, (start, scan_state(theta0), jnp.zeros_like(theta0)))
     # end with at most K records per buffer (exactly its Top-K in tie order), so that the final
     # selection reads K slots per buffer instead of C (select_from_records)
-    state = lax.cond(jnp.max(state[0]) > K,
-                     lambda s: raise_threshold(key_ref, id_ref, base, s[0], s[1], s[2], K, slack=0,
-                                               CH=CH, size=size, interpret=interpret),
-                     lambda s: s, state)
+    state = raise_above(K, state, key_ref, id_ref, base, K, slack=0, CH=CH, size=size,
+                        interpret=interpret)
     return state, appended
 
 

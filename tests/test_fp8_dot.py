@@ -4,8 +4,6 @@ outside the block do not. Checked on the Triton IR of a CUDA lowering, which nee
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import pytest
@@ -13,6 +11,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from benchmarks.fp8_dot import NO_PROMOTION, fast_fp8_accumulation
+from benchmarks.kernel_sass import triton_modules
 
 
 def _dot_kernel(a_ref, b_ref, o_ref):
@@ -22,25 +21,13 @@ def _dot_kernel(a_ref, b_ref, o_ref):
 
 def _triton_ir(dtype) -> str:
     """The Triton IR of a 64×32 · (64×32)ᵀ Pallas dot lowered for CUDA."""
-    from jax._src.pallas.triton import pallas_call_registration as reg
-    seen = []
-    orig = reg.lowering.lower_jaxpr_to_triton_module
-
-    def capture(*a, **kw):
-        res = orig(*a, **kw)
-        seen.append(res.module.operation.get_asm(enable_debug_info=False))
-        return res
-
-    reg.lowering.lower_jaxpr_to_triton_module = capture
-    try:
-        f = pl.pallas_call(_dot_kernel, out_shape=jax.ShapeDtypeStruct((64, 64), jnp.float32),
-                           compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1))
-        x = jax.ShapeDtypeStruct((64, 32), dtype)
+    f = pl.pallas_call(_dot_kernel, out_shape=jax.ShapeDtypeStruct((64, 64), jnp.float32),
+                       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1))
+    x = jax.ShapeDtypeStruct((64, 32), dtype)
+    with triton_modules() as seen:
         jax.jit(f).trace(x, x).lower(lowering_platforms=("cuda",))
-    finally:
-        reg.lowering.lower_jaxpr_to_triton_module = orig
     assert len(seen) == 1
-    return seen[0]
+    return seen[0][1]
 
 
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.bfloat16])
