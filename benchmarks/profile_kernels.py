@@ -51,8 +51,9 @@ def _with_pipeline_stage(name, wrap, fn):
 
 def _without_survivors(fn):
     """Trace ``fn`` with the pipeline's screen given τ = +inf (every key rejected: the
-    kernel computes every bound and survival test, and never runs its compaction)."""
-    return _with_pipeline_stage("screen", lambda orig: lambda sops, *a, **kw: orig(
+    kernel computes every bound and survival test and writes zero masks; the compaction
+    finds no survivor)."""
+    return _with_pipeline_stage("screen_masks", lambda orig: lambda sops, *a, **kw: orig(
         sops._replace(tau=jnp.full_like(sops.tau, jnp.inf)), *a, **kw), fn)
 
 
@@ -103,7 +104,7 @@ def main(argv=None):
     def scan(tiles, theta):
         def f(q, k, w, sc, lo, hi):
             ops = dm.prepare_operands(q, w, k, sc, tiles.BQ, jnp.bfloat16, tiles.layout,
-                                      tiles.widen_fp8)
+                                      tiles.widen_fp8, tiles.lane_sums)
             S = dm.default_splits(q.shape[0], k.shape[0], tiles.BQ, tiles.BK)
             th = jnp.full((q.shape[0],), theta, jnp.int32)
             c = dm.dense_candidates(ops, lo, hi, th, shape.K, splits=S, tiles=tiles)

@@ -213,8 +213,9 @@ def workspace_bytes(det, T, K, BK=64):
     surv = G4 * S * det["Cs"] * 4
     records = T * S * C * 8
     seeds = (T + G4) * det["seeds_list"] * 4     # order keys [T, L] and the lists [G4, L]
-    return dict(survivor_lists=surv, records=records, seeds=seeds,
-                total=surv + records + seeds)
+    masks = G4 * det["N"]                        # the screen's survival bytes [G4, N]
+    return dict(survivor_lists=surv, records=records, seeds=seeds, screen_masks=masks,
+                total=surv + records + seeds + masks)
 
 
 class DosaOptions(NamedTuple):
@@ -237,8 +238,8 @@ class DosaOptions(NamedTuple):
 
 
 def parse_tiles(spec):
-    """``layout:BK:warps:stages[:screen_layout:screen_bq:screen_warps[:keys_major[:screen_bk``
-    ``[:widen_fp8[:refine_bk[:CH[:record_slots]]]]]]]``[/seeds[/anchor_stride[/budget]]]``
+    """``layout:BK:warps:stages[:screen_layout:screen_bq:screen_warps[:lane_sums[:screen_bk``
+    ``[:widen_fp8[:refine_bk[:CH[:record_slots[:lane_sums]]]]]]]]``[/seeds[/anchor_stride[/budget]]]``
     -> (Tiles, DosaOptions).
 
     E.g. ``kh:128:4:3:kh:8:4/8192``, ``/8192/64`` (default tiles, 8192 seeds, anchors every
@@ -259,7 +260,7 @@ def parse_tiles(spec):
     if len(f) > 4:
         t = t._replace(screen_layout=f[4], screen_bq=int(f[5]), screen_warps=int(f[6]))
     if len(f) > 7:
-        t = t._replace(screen_keys_major=bool(int(f[7])))
+        t = t._replace(screen_lane_sums=bool(int(f[7])))
     if len(f) > 8:
         t = t._replace(screen_bk=int(f[8]))
     if len(f) > 9:
@@ -270,14 +271,19 @@ def parse_tiles(spec):
         t = t._replace(CH=int(f[11]))
     if len(f) > 12:
         t = t._replace(record_slots=int(f[12]))
+    if len(f) > 13:
+        t = t._replace(lane_sums=bool(int(f[13])))
     return t, seeds
 
 
 def tiles_name(t, seeds=None):
-    name = (f"{t.layout}:{t.BK}:{t.num_warps}:{t.num_stages}:{t.screen_layout}:{t.screen_bq}:"
-            f"{t.screen_warps}:{int(t.screen_keys_major)}:{t.screen_bk}:{int(t.widen_fp8)}:"
-            f"{t.refine_bk}" + (f":{t.CH}" if t.CH != 256 or t.record_slots else "")
-            + (f":{t.record_slots}" if t.record_slots else ""))
+    """The spec of :func:`parse_tiles` for tiles ``t`` (trailing default fields left out)."""
+    f = [t.layout, t.BK, t.num_warps, t.num_stages, t.screen_layout, t.screen_bq,
+         t.screen_warps, int(t.screen_lane_sums), t.screen_bk, int(t.widen_fp8), t.refine_bk]
+    tail = [t.CH, t.record_slots, int(t.lane_sums)]
+    while tail and tail[-1] == (256, 0, 1)[len(tail) - 1]:
+        tail.pop()
+    name = ":".join(str(x) for x in f + tail)
     return name if seeds is None else f"{name}/{seeds}"
 
 
@@ -346,7 +352,7 @@ def shape_section(res, shape, data, iters, with_xla=True, tiles_spec="", stages=
     S = dense_mod.default_splits(Tw, shape.N, 4, tiles.BK)
     from pallas_kernels.seeds import seed_list_length
     out["workspace"] = workspace_bytes(      # one wave's lists, records and seed lists
-        dict(splits=S, Cs=pipeline.survivor_capacity(shape.N, Tw, S, K),
+        dict(splits=S, Cs=pipeline.survivor_capacity(shape.N, Tw, S, K), N=shape.N,
              seeds_list=seed_list_length(cfg.seeds(), tiles.BK, K if cfg.anchors(Tw) else 0)),
         Tw, K)
     try:  # what XLA allocates for the DoSA call beyond inputs and outputs (measured, not computed)
@@ -465,7 +471,7 @@ def dosa_sweep_section(res, shape, data, iters, specs):
         cfg = seeds.config(shape.K)
         try:
             score_tiles = tiles._replace(screen_layout="hk", screen_bq=0, screen_warps=4,
-                                         screen_keys_major=True, screen_bk=0)
+                                         screen_lane_sums=True, screen_bk=0)
             if score_tiles not in dense_out:
                 dense_out[score_tiles] = jax.jit(
                     lambda *a, t=tiles: pipeline.dense_topk(*a, cfg, tiles=t))(*args)

@@ -35,6 +35,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from dosa_jax.numerics import rounded_to
@@ -44,6 +45,8 @@ Array = jax.Array
 
 #: Order key meaning "accept every eligible score" (one above the NaN key).
 THETA_NONE = int(INT32_MIN) + 1
+#: Queries per refinement group (bits of a survivor record's mask).
+GROUP = 4
 #: Bits of a survivor id; the bits above carry the per-query survival mask.
 ID_BITS = 27
 ID_MASK = (1 << ID_BITS) - 1
@@ -207,3 +210,49 @@ def split_key_tiles(klo, khi, BK: int, S: int, s):
     per = (ntile + S - 1) // S
     start = tile0 + s * per
     return start, jnp.minimum(start + per, tile0 + ntile)
+
+
+# ---- column order of "kc" tiles (keys as MMA rows, the queries' columns side by side) ----
+
+def lane_aligned_order(BQ: int, n: int) -> np.ndarray:
+    """Column order of a ``"kc"`` tile of BQ queries × n columns for in-thread column sums.
+
+    A Hopper ``wgmma`` accumulator gives thread t of a warp the columns
+    ``8j + 2(t mod 4) + {0, 1}`` of its rows. ``order[c]`` is the logical column
+    ``query·n + i`` placed at MMA column ``c = ((h·n/2 + m)·4 + p)·2 + b``: query
+    ``4h + p`` is fixed by c's bits 1–2 (the thread's place in its quad) and h, its
+    column ``i = 2m + b`` by bit 0 and m, which one thread holds. A query's column sum is
+    then additions in one thread (:func:`column_sums`), with no shuffle across lanes.
+    """
+    if BQ % GROUP or n < 2 or n % 2:
+        raise ValueError(f"lane-aligned columns need BQ % 4 == 0 and an even n >= 2, got {BQ}, {n}")
+    G, M = BQ // GROUP, n // 2
+    h, m, p, b = np.meshgrid(np.arange(G), np.arange(M), np.arange(GROUP), np.arange(2),
+                             indexing="ij")
+    return ((4 * h + p) * n + 2 * m + b).reshape(-1)
+
+
+def lane_sums_apply(BQ: int, n: int) -> bool:
+    """Whether a tile of BQ queries × n columns can take :func:`lane_aligned_order`."""
+    return BQ % GROUP == 0 and n >= 2 and n % 2 == 0
+
+
+def in_lane_order(x: Array, BQ: int, n: int) -> Array:
+    """[P, T·n, ...] stacked per-query columns (T a multiple of BQ) in
+    :func:`lane_aligned_order` within each tile of BQ queries."""
+    order = lane_aligned_order(BQ, n)
+    P, Tn = x.shape[:2]
+    y = x.reshape((P, Tn // (BQ * n), BQ * n) + x.shape[2:])[:, :, order]
+    return y.reshape(x.shape)
+
+
+def column_sums(v: Array, BQ: int, n: int, lane_sums: bool) -> Array:
+    """Per (key, query) sums of a ``"kc"`` tile's columns inside a kernel:
+    [BK, BQ·n] -> [BK, BQ/4, 4] (queries in groups of 4), in :func:`lane_aligned_order`
+    (``lane_sums``: over b, then m, all in-thread) or query-major order."""
+    bk = v.shape[0]
+    G = BQ // GROUP
+    if lane_sums:
+        v = jnp.sum(v.reshape(bk, G, n // 2, GROUP, 2), axis=4)
+        return jnp.sum(v, axis=2)
+    return jnp.sum(v.reshape(bk, G, GROUP, n), axis=3)

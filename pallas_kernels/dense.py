@@ -27,8 +27,9 @@ from jax.experimental import pallas as pl
 
 from dosa_jax.selection import INT32_MIN, order_key, select_by_position
 from pallas_kernels import records as rec
-from pallas_kernels.common import (THETA_NONE, split_key_tiles, compiler_params, interpret_default, mma_pieces,
-                                   next_pow2, piece_pairs, pad_axis, round_up, kernel_order_key)
+from pallas_kernels.common import (THETA_NONE, compiler_params, in_lane_order, interpret_default,
+                                   kernel_order_key, lane_sums_apply, mma_pieces, next_pow2,
+                                   pad_axis, piece_pairs, round_up, split_key_tiles)
 from pallas_kernels.scoring import load_query_tile, score_reference, score_tile
 
 Array = jax.Array
@@ -68,9 +69,9 @@ class Tiles(NamedTuple):
     # 16 queries with 8 warps 144 ms, with 4 warps 328 ms)
     screen_bq: int = 8
     screen_warps: int = 4
-    # "kc" screen: evaluate the bound and the survival bits as [BK, BQs] (the accumulator's
-    # orientation), else transpose the two row sums to [BQs, BK] first
-    screen_keys_major: bool = True
+    # "kc" screen: each query's columns in the lanes of one thread (in-thread column sums, no
+    # shuffles; screen.lane_aligned_order), else query-major columns (session 8's order)
+    screen_lane_sums: bool = True
     screen_bk: int = 0       # keys per screening tile (0: BK)
     # keys per refinement tile ("kc" layout only; 0: BK). 128 measured fastest on the H200
     # (session 6: DoSA at T=4096, N=1M 177 -> 167 ms; the dense scan itself is slower with
@@ -84,6 +85,9 @@ class Tiles(NamedTuple):
     # record slots per (query, split) of the dense and refinement kernels (0: 3K + BK,
     # :func:`capacity_for`); at least K + BK is always used
     record_slots: int = 0
+    # "kc" scoring tiles: the queries' head rows in common.lane_aligned_order, so that each
+    # query's head sum runs inside one thread (no shuffles); scores keep one fixed order
+    lane_sums: bool = True
 
 
 #: MMA layouts of the scoring and screening tiles (:func:`pallas_kernels.scoring.score_tile`).
@@ -141,15 +145,19 @@ class Operands(NamedTuple):
     H: int          # padded heads Hp
     pairs: tuple
     fp8_mma: bool = False
+    lane_sums: bool = False   # q/w rows in common.lane_aligned_order per group of BQ ("kc")
 
 
 def prepare_operands(q, w, k, k_scale, BQ: int, mma_dtype=jnp.bfloat16,
-                     layout: str = "hk", widen_fp8: bool = True) -> Operands:
+                     layout: str = "hk", widen_fp8: bool = True,
+                     lane_sums: bool = False) -> Operands:
     """Pieces, pads (heads to a power of two with zero weights, D to ≥ 16, T to BQ).
 
     ``layout="kh"`` multiplies keys by one query's H heads, so H is padded to ≥ 16.
     ``widen_fp8``: FP8 operands of a bf16 MMA become bf16 pieces here
     (:func:`pallas_kernels.common.mma_pieces`).
+    ``lane_sums`` (``"kc"``): each group's BQ·H query rows and weights in
+    :func:`pallas_kernels.common.lane_aligned_order` (the kernels follow ``ops.lane_sums``).
     """
     T, H, D = q.shape
     Hp = next_pow2(max(H, 1))
@@ -164,9 +172,16 @@ def prepare_operands(q, w, k, k_scale, BQ: int, mma_dtype=jnp.bfloat16,
     wp = pad_axis(pad_axis(w.astype(jnp.float32), 1, Hp), 0, Tpad)
     scale = (jnp.ones((k.shape[0],), jnp.float32) if k_scale is None
              else k_scale.astype(jnp.float32))
-    return Operands(q=qp.reshape(qp.shape[0], Tpad * Hp, Dp), w=wp.reshape(Tpad * Hp), k=kp,
-                    scale=scale, T=T, H=Hp, pairs=piece_pairs(qp.shape[0], kp.shape[0]),
-                    fp8_mma=jnp.dtype(mma_dtype) == jnp.dtype(jnp.float8_e4m3fn))
+    qp = qp.reshape(qp.shape[0], Tpad * Hp, Dp)
+    wp = wp.reshape(Tpad * Hp)
+    lane_sums = bool(lane_sums) and layout == "kc" and lane_sums_apply(BQ, Hp)
+    if lane_sums:
+        qp = in_lane_order(qp, BQ, Hp)
+        wp = in_lane_order(wp[None, :, None], BQ, Hp)[0, :, 0]
+    return Operands(q=qp, w=wp, k=kp, scale=scale, T=T, H=Hp,
+                    pairs=piece_pairs(qp.shape[0], kp.shape[0]),
+                    fp8_mma=jnp.dtype(mma_dtype) == jnp.dtype(jnp.float8_e4m3fn),
+                    lane_sums=lane_sums)
 
 
 def _group_range(lo, hi):
@@ -178,7 +193,7 @@ def _group_range(lo, hi):
 
 
 def _dense_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, H: int, N: int, S: int, C: int, K: int,
-                  pairs, fp8_mma: bool, interpret: bool):
+                  pairs, fp8_mma: bool, lane_sums: bool, interpret: bool):
     q_refs, (w_ref, lo_ref, hi_ref, th_ref), k_refs, (sc_ref,), outs = (
         refs[:Pq], refs[Pq:Pq + 4], refs[Pq + 4:Pq + 4 + Pk], refs[Pq + 4 + Pk:Pq + 5 + Pk],
         refs[Pq + 5 + Pk:])
@@ -206,7 +221,7 @@ def _dense_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, H: int, N: int, S: int,
             for k_ref in k_refs]
         scale = rec._plgpu().load(sc_ref.at[pl.ds(j * BK, BK)], mask=inb, other=1.0)
         sc = score_tile(qp, wv, kp, scale, BQ=BQ, H=H, pairs=pairs, fp8_mma=fp8_mma,
-                        layout=tiles.layout)
+                        layout=tiles.layout, lane_sums=lane_sums)
         key = kernel_order_key(sc)
         idb = jnp.broadcast_to(ids[None, :], (BQ, BK))
         elig = (idb >= lo[:, None]) & (idb < hi[:, None]) & (key != INT32_MIN)
@@ -241,9 +256,9 @@ def capacity_for(K: int, BK: int, capacity=None) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("K", "splits", "capacity", "tiles", "interpret",
-                                             "T", "H", "pairs", "fp8_mma"))
+                                             "T", "H", "pairs", "fp8_mma", "lane_sums"))
 def _dense_call(q, w, lo, hi, theta0, k, scale, *, K, splits, capacity, tiles, interpret,
-                T, H, pairs, fp8_mma):
+                T, H, pairs, fp8_mma, lane_sums):
     BQ = tiles.BQ
     Tpad = lo.shape[0]
     G = Tpad // BQ
@@ -251,8 +266,9 @@ def _dense_call(q, w, lo, hi, theta0, k, scale, *, K, splits, capacity, tiles, i
     C = capacity
     N = k.shape[1]
     size = Tpad * S * C
-    kern = functools.partial(_dense_kernel, Pq=q.shape[0], Pk=k.shape[0], tiles=tiles, H=H, N=N, S=S, C=C, K=K, pairs=pairs,
-                             fp8_mma=fp8_mma, interpret=interpret)
+    kern = functools.partial(_dense_kernel, Pq=q.shape[0], Pk=k.shape[0], tiles=tiles, H=H, N=N,
+                             S=S, C=C, K=K, pairs=pairs, fp8_mma=fp8_mma, lane_sums=lane_sums,
+                             interpret=interpret)
     i32 = jnp.int32
     out_shape = (jax.ShapeDtypeStruct((size,), i32), jax.ShapeDtypeStruct((size,), i32),
                  jax.ShapeDtypeStruct((Tpad * S,), i32), jax.ShapeDtypeStruct((Tpad * S,), i32),
@@ -286,7 +302,7 @@ def dense_candidates(ops: Operands, lo, hi, theta0, K: int, *, splits: int = 1, 
     C = capacity_for(K, tiles.BK, capacity if capacity is not None else tiles.record_slots or None)
     return _dense_call(ops.q, ops.w, lo, hi, theta0, ops.k, ops.scale, K=K, splits=splits,
                        capacity=C, tiles=tiles, interpret=interpret, T=T, H=ops.H,
-                       pairs=ops.pairs, fp8_mma=ops.fp8_mma)
+                       pairs=ops.pairs, fp8_mma=ops.fp8_mma, lane_sums=ops.lane_sums)
 
 
 def default_splits(T: int, N: int, BQ: int, BK: int) -> int:
@@ -305,7 +321,8 @@ def dense_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), spli
     Returns (indices [T, K] int32, scores [T, K] float32) in contract order.
     """
     check_tiles(tiles)
-    ops = prepare_operands(q, w, k, k_scale, tiles.BQ, mma_dtype, tiles.layout, tiles.widen_fp8)
+    ops = prepare_operands(q, w, k, k_scale, tiles.BQ, mma_dtype, tiles.layout, tiles.widen_fp8,
+                           tiles.lane_sums)
     theta0 = jnp.full((q.shape[0],), THETA_NONE, jnp.int32)
     return topk_from_operands(ops, lo, hi, theta0, config.top_k, splits=splits, tiles=tiles,
                               interpret=interpret, return_candidates=return_candidates)

@@ -82,9 +82,9 @@ def screening_error_coefficient(rows, row_w, aggregate, k_dtype, coef_plan,
                                 single_piece: bool = False):
     """E_u: |Û_kernel − Û_real| ≤ n_i E_u for the screening expression (rows f32 in pieces).
 
-    Retained rows through the ReLU times |w̃_r|, aggregate rows summed before
-    their ReLU (absolute value 1), then the tree sums over Rp rows and the
-    ``+ n·coef + ε`` epilogue (γ_{Rp+6} of every magnitude involved).
+    Retained rows through the ReLU times |w̃_r|, aggregate columns through theirs
+    times |±1| (:func:`pallas_kernels.screen.aggregate_columns`), then the tree sums over
+    Rp columns and the ``+ n·coef + ε`` epilogue (γ_{Rp+6} of every magnitude involved).
     """
     T, R, D = rows.shape
     A = aggregate.shape[1]
@@ -107,8 +107,8 @@ def kernel_coefficient(q, w, plan, k_dtype, single_piece: bool = False, aggregat
                        aggregate_error=None):
     """coef for the screening kernel: plan residual + plan error + E_s + E_u (upward).
 
-    ``aggregate``/``aggregate_error``: the rows the screen actually uses for the
-    negative aggregate and ‖a − Σ rows‖ (:func:`pallas_kernels.screen.split_aggregate_bf16`),
+    ``aggregate``/``aggregate_error``: the columns the screen actually uses for the
+    negative aggregate and ‖a − hi − lo‖ (:func:`pallas_kernels.screen.aggregate_columns`),
     in place of ``plan.aggregate``; ``single_piece`` as the screen's rows.
     """
     coef_plan = plan.residual + plan.error

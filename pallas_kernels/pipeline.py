@@ -45,8 +45,9 @@ from pallas_kernels import records as rec
 from pallas_kernels.common import MAX_KEYS, THETA_NONE, next_pow2, round_up
 from pallas_kernels.dense import Tiles, prepare_operands
 from pallas_kernels.refine import refine
-from pallas_kernels.screen import (Survivors, prepare_screen, screen, screen_queries_per_program,
-                                   screen_rows, split_aggregate_bf16)
+from pallas_kernels.screen import (Survivors, aggregate_column_count, aggregate_columns,
+                                   compact_masks, prepare_screen, screen_masks,
+                                   screen_queries_per_program, screen_rows)
 from pallas_kernels.seeds import group_seed_lists, group_witnesses, seed_threshold
 
 #: Survivor-list budget (entries, int32) over all groups and splits: 1 GiB.
@@ -231,8 +232,8 @@ def dosa_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), split
     return jax.tree_util.tree_map(lambda a: a.reshape((n * Tw,) + a.shape[2:])[:T], out)
 
 
-def screen_by_budget(plan, budget, classes, agg_rows, coef, eps, tau, prune, lo, hi, ops, knorm,
-                     *, splits: int, capacity: int, single_piece: bool, tiles: Tiles,
+def screen_by_budget(plan, budget, classes, agg_cols, agg_w, coef, eps, tau, prune, lo, hi, ops,
+                     knorm, *, splits: int, capacity: int, single_piece: bool, tiles: Tiles,
                      interpret=None) -> Survivors:
     """The screen with queries of similar budgets sharing tiles (paper Sec. 3).
 
@@ -240,22 +241,24 @@ def screen_by_budget(plan, budget, classes, agg_rows, coef, eps, tau, prune, lo,
     has nonzero rows only in its first r. Each screening program (``BQs`` queries, a
     multiple of the refinement group) runs in the kernel of its *class*: the largest
     budget among its screening queries, with the plan rows cut to that budget (``Rp``
-    = r + A rows, a power of two by :func:`screen_friendly_budget`). One kernel per
+    = r + A columns, a power of two by :func:`screen_friendly_budget`). One kernel per
     candidate budget; programs of other classes see no keys there and the kernels
-    write one set of survivor lists in turn. The MMA width and the bound's epilogue
-    then follow the budgets actually chosen (the largest candidate had made every
-    program as wide as the dense scan). The bound of a query is the same function
-    with fewer zero rows; the enclosure (``coef``) is sized for the largest budget.
+    write one mask buffer in turn, which one compaction turns into survivor lists.
+    The MMA width and the bound's epilogue then follow the budgets actually chosen (the
+    largest candidate had made every program as wide as the dense scan). The bound of a
+    query is the same function with fewer zero rows; the enclosure (``coef``) is sized
+    for the largest budget.
 
     Args:
       plan: the planner's ScreeningPlan ([T, R, D] rows); budget: [T] chosen budgets;
-      classes: the candidate budgets (static, all ≤ R); lo, hi: [T] screening ranges
-        (empty for queries that skip the screen).
+      classes: the candidate budgets (static, all ≤ R); agg_cols, agg_w: the aggregate
+        columns (:func:`pallas_kernels.screen.aggregate_columns`); lo, hi: [T] screening
+        ranges (empty for queries that skip the screen).
     """
     T = lo.shape[0]
     Dp = ops.k.shape[-1]
     classes = tuple(sorted(set(int(c) for c in classes)))
-    A = agg_rows.shape[1]
+    A = agg_cols.shape[1]
     bqs = {c: screen_queries_per_program(screen_rows(c, A, tiles.screen_layout), T,
                                          tiles.screen_layout, tiles.screen_bq or None)
            for c in classes}
@@ -264,38 +267,38 @@ def screen_by_budget(plan, budget, classes, agg_rows, coef, eps, tau, prune, lo,
         padq = lambda a, v=0: jnp.pad(a, ((0, Tq - T),) + ((0, 0),) * (a.ndim - 1),
                                       constant_values=v)
         return prepare_screen(padq(plan.rows[:, :c]), padq(plan.row_weights[:, :c]),
-                              padq(agg_rows), padq(plan.aggregate_linear), padq(coef), padq(eps),
+                              padq(agg_cols), padq(agg_w), padq(coef), padq(eps),
                               padq(tau, jnp.inf), padq(prune), Dp, single_piece=single_piece,
-                              layout=tiles.screen_layout, BQs=bqs[c])
+                              layout=tiles.screen_layout, BQs=bqs[c],
+                              lane_sums=tiles.screen_lane_sums)
 
-    kw = dict(splits=splits, capacity=capacity, BK=tiles.screen_bk or tiles.BK,
-              num_warps=tiles.screen_warps, num_stages=tiles.num_stages,
-              keys_major=tiles.screen_keys_major, interpret=interpret)
-    run = lambda sops, l, h, into=None: screen(sops, l, h, ops.k, knorm, ops.scale,
-                                               packed_into=into, **kw)
+    kw = dict(splits=splits, BK=tiles.screen_bk or tiles.BK, num_warps=tiles.screen_warps,
+              num_stages=tiles.num_stages, interpret=interpret)
+    run = lambda sops, l, h, into=None: screen_masks(sops, l, h, ops.k, knorm, ops.scale,
+                                                     masks_into=into, **kw)
     if len(classes) == 1:
-        return run(operands(classes[0], T), lo, hi)
-    # programs: blocks of the largest program size of the classes (sizes are powers of two)
-    B = max(bqs.values())
-    Tb = round_up(T, B)
-    pad = lambda a: jnp.pad(a, (0, Tb - T))
-    screening = hi > lo
-    qb = jnp.where(screening, budget, classes[0])
-    need = jnp.max(pad(qb).reshape(Tb // B, B), axis=1)
-    # the smallest class holding the program's largest budget (the largest class holds every
-    # budget: the plan rows are sized for it), so no program is left out of every kernel
-    cls = jnp.asarray(classes, jnp.int32)
-    blk = cls[jnp.minimum(jnp.searchsorted(cls, need), len(classes) - 1)]
-    blk = jnp.repeat(blk, B)                                               # [Tb] program class
-    packed = count = per_query = None
-    for c in classes:
-        on = blk == c
-        s = run(operands(c, Tb), jnp.where(on, pad(lo), 0), jnp.where(on, pad(hi), 0), packed)
-        packed = s.packed
-        g_on = on[::4][:, None]
-        count = s.count if count is None else jnp.where(g_on, s.count, count)
-        per_query = s.per_query if per_query is None else jnp.where(on[:, None], s.per_query,
-                                                                    per_query)
+        masks, per_query = run(operands(classes[0], T), lo, hi)
+    else:
+        # programs: blocks of the largest program size of the classes (sizes are powers of two)
+        B = max(bqs.values())
+        Tb = round_up(T, B)
+        pad = lambda a: jnp.pad(a, (0, Tb - T))
+        screening = hi > lo
+        qb = jnp.where(screening, budget, classes[0])
+        need = jnp.max(pad(qb).reshape(Tb // B, B), axis=1)
+        # the smallest class holding the program's largest budget (the largest class holds every
+        # budget: the plan rows are sized for it), so no program is left out of every kernel
+        cls = jnp.asarray(classes, jnp.int32)
+        blk = cls[jnp.minimum(jnp.searchsorted(cls, need), len(classes) - 1)]
+        blk = jnp.repeat(blk, B)                                           # [Tb] program class
+        masks = per_query = None
+        for c in classes:
+            on = blk == c
+            masks, pq = run(operands(c, Tb), jnp.where(on, pad(lo), 0), jnp.where(on, pad(hi), 0),
+                            masks)
+            per_query = pq if per_query is None else jnp.where(on[:, None], pq, per_query)
+    packed, count = compact_masks(masks, lo, hi, splits=splits, capacity=capacity,
+                                  interpret=interpret)
     return Survivors(packed, count, per_query[:T])
 
 
@@ -340,10 +343,11 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     # the screen's rows are one bf16 MMA piece when the retained rows q_j are exact in
     # bf16 (bf16 or FP8 queries); the negative aggregate then takes two rows (hi, lo)
     single = jnp.dtype(q.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn))
-    config = screen_friendly(config, H, A=2 if single else 1)
+    absolute = config.certificate_form == "absolute"
+    config = screen_friendly(config, H, A=aggregate_column_count(single, absolute))
     S = splits or dense_mod.default_splits(T, N, tiles.BQ, tiles.BK)
     ops = prepare_operands(q, w, k, k_scale, tiles.BQ, layout=tiles.layout,
-                           widen_fp8=tiles.widen_fp8)
+                           widen_fp8=tiles.widen_fp8, lane_sums=tiles.lane_sums)
     Tpad4 = ops.q.shape[1] // ops.H
     G4 = Tpad4 // 4
     lo = lo.astype(jnp.int32)
@@ -363,13 +367,13 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     p = jax.vmap(activation_frequencies)(dots, valid)
     plan, details, budget = build_plan(q.astype(jnp.float32), w, p, config, sample_dots=sdots,
                                        sample_norms=snorm, sample_valid=svalid, tau=tau)
-    if single:
-        agg_rows, agg_err = split_aggregate_bf16(plan.aggregate)
-        eps = nm.upper_sum(plan.eps_raw, jnp.float32(
-            4.0 * D * plan.aggregate.shape[1] * nm.ETA32))   # the extra rows' flushed results
-    else:
-        agg_rows, agg_err, eps = plan.aggregate, None, plan.eps_raw
-    coef = knum.kernel_coefficient(q, w, plan, k.dtype, single_piece=single, aggregate=agg_rows,
+    # the negative aggregate as ReLU columns with weights ±1 (split into bf16 hi + lo with
+    # bf16/FP8 queries), summed by the screen like the retained heads
+    agg_cols, agg_w, agg_err = aggregate_columns(plan.aggregate, plan.aggregate_linear,
+                                                 split=single, absolute=absolute)
+    eps = nm.upper_sum(plan.eps_raw, jnp.float32(
+        4.0 * D * agg_cols.shape[1] * nm.ETA32))   # the extra columns' flushed results
+    coef = knum.kernel_coefficient(q, w, plan, k.dtype, single_piece=single, aggregate=agg_cols,
                                    aggregate_error=agg_err)
     if k_scale is None:
         bad_scale = jnp.zeros((T,), bool)
@@ -392,9 +396,9 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     Cs = survivor_capacity(N, T, S, K, config.capacity)
     slo = jnp.where(direct, 0, lo)
     shi = jnp.where(direct, 0, hi)
-    surv = screen_by_budget(plan, budget, config.budgets(H), agg_rows, coef, eps, tau, prune,
-                            slo, shi, ops, knorm, splits=S, capacity=Cs, single_piece=single,
-                            tiles=tiles, interpret=interpret)
+    surv = screen_by_budget(plan, budget, config.budgets(H), agg_cols, agg_w, coef, eps, tau,
+                            prune, slo, shi, ops, knorm, splits=S, capacity=Cs,
+                            single_piece=single, tiles=tiles, interpret=interpret)
     slists, scount = surv.packed[:G4], surv.count[:G4]
     overflow_g = jnp.any(scount > slists.shape[-1], axis=1)
     if stop_after == "screen":
@@ -441,8 +445,8 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     if return_details:
         return idx, sc, stats, dict(plan=plan, coef=coef, eps=eps, surv=surv, cand=cand,
                                     tau_key=tau_key, Cs=Cs, splits=S, direct=direct,
-                                    estimated_survival=est, aggregate_rows=agg_rows,
-                                    single_piece=single)
+                                    estimated_survival=est, aggregate_columns=agg_cols,
+                                    aggregate_weights=agg_w, single_piece=single)
     return idx, sc, stats
 
 
@@ -472,7 +476,7 @@ def dense_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), spli
     lo = lo.astype(jnp.int32)
     hi = hi.astype(jnp.int32)
     ops = prepare_operands(q, w, k, k_scale, tiles.BQ, layout=tiles.layout,
-                           widen_fp8=tiles.widen_fp8)
+                           widen_fp8=tiles.widen_fp8, lane_sums=tiles.lane_sums)
     tau_key, n_eligible, _ = seed_tau_key(ops, lo, hi, config, tiles=tiles, interpret=interpret)
     theta0 = jnp.where(n_eligible >= config.top_k, tau_key, THETA_NONE)
     return dense_mod.topk_from_operands(ops, lo, hi, theta0, config.top_k, splits=splits,

@@ -35,7 +35,7 @@ Array = jax.Array
 
 
 def score_list_tile(sv_ref, start, slot, n_list, k_refs, sc_ref, qp, wv, *, tiles: Tiles, H: int,
-                    pairs):
+                    pairs, lane_sums: bool):
     """Inside a kernel: gather the keys of list slots ``slot`` [BK] (entries at ``start + slot``,
     valid below ``n_list``) and score them for the group's BQ queries with the shared routine.
 
@@ -48,14 +48,15 @@ def score_list_tile(sv_ref, start, slot, n_list, k_refs, sc_ref, qp, wv, *, tile
     dcol = jnp.arange(k_refs[0].shape[1], dtype=jnp.int32)
     kp = [k_ref[kid[:, None], dcol[None, :]] for k_ref in k_refs]
     scale = rec._plgpu().load(sc_ref.at[kid], mask=valid, other=1.0)
-    sc = score_tile(qp, wv, kp, scale, BQ=tiles.BQ, H=H, pairs=pairs, layout=tiles.layout)
+    sc = score_tile(qp, wv, kp, scale, BQ=tiles.BQ, H=H, pairs=pairs, layout=tiles.layout,
+                    lane_sums=lane_sums)
     qsel = jnp.arange(tiles.BQ, dtype=jnp.int32)
     mine = (((bits[None, :] >> qsel[:, None]) & 1) != 0) & valid[None, :]
     return kid, mine, sc
 
 
 def _refine_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, H: int, S: int, Cl: int, C: int,
-                   K: int, pairs, interpret: bool):
+                   K: int, pairs, lane_sums: bool, interpret: bool):
     q_refs = refs[:Pq]
     w_ref, th_ref, sv_ref, sn_ref = refs[Pq:Pq + 4]
     k_refs = refs[Pq + 4:Pq + 4 + Pk]
@@ -76,7 +77,8 @@ def _refine_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, H: int, S: int, Cl: in
 
     def tile(c, state):
         kid, mine, sc = score_list_tile(sv_ref, lbase, c * BK + lanes, n_list, k_refs, sc_ref,
-                                        qp, wv, tiles=tiles, H=H, pairs=pairs)
+                                        qp, wv, tiles=tiles, H=H, pairs=pairs,
+                                        lane_sums=lane_sums)
         key = kernel_order_key(sc)
         elig = mine & (key != INT32_MIN)
         idb = jnp.broadcast_to(kid[None, :], (BQ, BK))
@@ -94,15 +96,16 @@ def _refine_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, H: int, S: int, Cl: in
     app_ref[oidx] = appended
 
 
-@functools.partial(jax.jit, static_argnames=("K", "capacity", "tiles", "interpret", "T", "H", "pairs"))
+@functools.partial(jax.jit, static_argnames=("K", "capacity", "tiles", "interpret", "T", "H", "pairs",
+                                             "lane_sums"))
 def _refine_call(q, w, theta0, lists, list_count, k, scale, *, K, capacity, tiles,
-                 interpret, T, H, pairs):
+                 interpret, T, H, pairs, lane_sums):
     G4, S, Cl = lists.shape
     Tpad = G4 * tiles.BQ
     C = capacity
     size = Tpad * S * C
     kern = functools.partial(_refine_kernel, Pq=q.shape[0], Pk=k.shape[0], tiles=tiles, H=H,
-                             S=S, Cl=Cl, C=C, K=K, pairs=pairs,
+                             S=S, Cl=Cl, C=C, K=K, pairs=pairs, lane_sums=lane_sums,
                              interpret=interpret)
     i32 = jnp.int32
     rk, ri, cnt, th, app = pl.pallas_call(
@@ -141,7 +144,8 @@ def refine(ops: Operands, lists: Array, list_count: Array, theta0: Array, K: int
     C = capacity_for(K, tiles.BK, capacity)
     return _refine_call(ops.q, ops.w, theta0, lists, list_count, ops.k, ops.scale, K=K,
                         capacity=C, tiles=tiles,
-                        interpret=interpret, T=T, H=ops.H, pairs=ops.pairs)
+                        interpret=interpret, T=T, H=ops.H, pairs=ops.pairs,
+                        lane_sums=ops.lane_sums)
 
 
 def refine_reference(scores: Array, member: Array, theta0_scores: Array, K: int):

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import keys_rows_dot, pieces_value, piece_pairs, rows_keys_dot
+from pallas_kernels.common import (column_sums, keys_rows_dot, pieces_value, piece_pairs,
+                                   rows_keys_dot)
 
 Array = jax.Array
 
@@ -52,7 +53,7 @@ def load_query_tile(q_refs, w_ref, g, *, BQ: int, H: int, layout: str):
 
 
 def score_tile(q_pieces, w_rows, k_pieces, scale, *, BQ: int, H: int, pairs,
-               fp8_mma: bool = False, layout: str = "hk"):
+               fp8_mma: bool = False, layout: str = "hk", lane_sums: bool = False):
     """Scores of a tile inside a kernel.
 
     Three MMA layouts compute the same function with different rounding orders
@@ -66,6 +67,9 @@ def score_tile(q_pieces, w_rows, k_pieces, scale, *, BQ: int, H: int, pairs,
     * ``"kc"``: one dot [BK, D] × [D, BQ*H] for all BQ queries (keys as MMA rows, the
       queries' heads concatenated as columns: one wider MMA instead of BQ narrow ones);
       the head sum reduces each query's H columns, then the [BK, BQ] result is transposed.
+      With ``lane_sums`` the operand rows are in
+      :func:`pallas_kernels.common.lane_aligned_order` (``prepare_operands``), so each
+      query's head sum runs inside one thread (no shuffle; another fixed order).
 
     Args:
       q_pieces: per piece, [BQ*H, D] ("hk", "kc") or a list of BQ [H, D] ("kh") operands
@@ -93,7 +97,10 @@ def score_tile(q_pieces, w_rows, k_pieces, scale, *, BQ: int, H: int, pairs,
         x = keys_rows_dot(k_pieces, q_pieces, pairs, fp8_mma)       # [BK, BQ*H]
         bk = x.shape[0]
         y = jnp.maximum(x, 0.0) * w_rows[None, :]
-        s = jnp.sum(y.reshape(bk, BQ, H), axis=2).T                  # [BQ, BK]
+        if lane_sums:
+            s = column_sums(y, BQ, H, True).reshape(bk, BQ).T      # [BQ, BK]
+        else:
+            s = jnp.sum(y.reshape(bk, BQ, H), axis=2).T              # [BQ, BK]
     else:
         x = rows_keys_dot(q_pieces, k_pieces, pairs, fp8_mma)      # [BQ*H, BK]
         bk = x.shape[-1]

@@ -1,39 +1,56 @@
-"""Certificate screening (Eq. 9, 26) as a Pallas Triton kernel, and its jnp twin.
+"""Certificate screening (Eq. 9, 26) as Pallas Triton kernels, and their jnp twins.
 
 One shape serves all scoring stages (SPEC §13): per program, ``BQs`` queries'
-plan rows (``Rp`` rows per query: the retained heads with folded weights w̃_j,
-then the negative-aggregate rows, zero rows to a power of two) are multiplied
-against a key tile on the tensor cores — stacked into one [BQs·Rp, D] matrix
-(layout ``"hk"``), one [BK, D]×[D, Rp] dot per query (``"kh"``, keys as MMA
-rows) or one [BK, D]×[D, BQs·Rp] dot for all of them (``"kc"``, the default:
-DoSA at T=16K, N=1M took 927 ms with it against 1280 ms with ``"kh"`` on the
-H200, BENCHMARKS.md session 4) — and the bound is evaluated per (query, key):
+plan columns (``Rp`` per query: the retained heads with folded weights w̃_j,
+then the negative-aggregate columns, zero columns to a power of two) are
+multiplied against a key tile on the tensor cores — stacked into one
+[BQs·Rp, D] matrix (layout ``"hk"``), one [BK, D]×[D, Rp] dot per query
+(``"kh"``, keys as MMA rows) or one [BK, D]×[D, BQs·Rp] dot for all of them
+(``"kc"``, the default: DoSA at T=16K, N=1M took 927 ms with it against
+1280 ms with ``"kh"`` on the H200, BENCHMARKS.md session 4) — and the bound is
+evaluated per (query, key) with *the scorer's epilogue*:
 
-    Û = Σ_r w̃_r relu(y_r) − relu(Σ_a z_a)          (− Σ_a z_a in the absolute form)
+    Û = Σ_c w_c relu(y_c)                      (every column, aggregate ones included)
     U = α_i (Û + n_i·coef + ε_raw),  then nudged up by |U|·2^-21
 
 with ``n_i ≥ ‖k̄_i‖`` and ``coef = E + C + C_kernel`` (the plan's residual and
-error plus this backend's arithmetic, :mod:`pallas_kernels.numerics`). With
-bf16 or FP8 queries the rows are one bf16 MMA piece (the retained rows are
-exact; the aggregate is split into hi + lo rows, :func:`split_aggregate_bf16`,
-its remainder in ``coef``); float32 queries keep two pieces per row. A key
-is rejected only on ``U < τ`` (strict; NaN never rejects); ``prune = 0``
-disables rejection for a query. Survivors of the ``BQs/4`` refinement groups
-of the program (4 queries, paper Sec. 3) are appended to per-group lists as
-``id | mask << 27`` (the mask says for which of the 4 queries the key
-survived) at ``count + cumsum − 1``: deterministic, ascending ids, no atomics.
-The count keeps growing past the list's capacity: an overflowing group is
-detected (never silently truncated) and its queries are recovered exactly.
+error plus this backend's arithmetic, :mod:`pallas_kernels.numerics`). The
+negative aggregate (Eq. 8) enters as ReLU columns with weights ±1
+(:func:`aggregate_columns`): ``−relu(a·k) ≤ −relu(hi·k) + relu(−lo·k) + ‖e‖ n_i``
+for ``a = hi + lo + e`` (ReLU is 1-Lipschitz), and the absolute form's
+``−a·k`` (Eq. 25) as ``−relu(x) + relu(−x)`` per piece; so the screen sums one
+kind of term, as the scorer does, instead of a second masked row sum for the
+aggregate (session 9). With bf16 or FP8 queries the rows are one bf16 MMA piece
+(the retained rows are exact; the aggregate is split into hi + lo, its
+remainder e in ``coef``); float32 queries keep two pieces per row.
+
+``"kc"`` puts each query's columns where one thread holds them
+(:func:`pallas_kernels.common.lane_aligned_order`, ``lane_sums``): a Hopper ``wgmma`` accumulator
+gives thread ``t`` of a warp the columns ``8j + 2(t mod 4) + {0, 1}``, so the
+query of column c is chosen by c's bits 1–2 (the lane within a quad) and one
+high bit, and its Rp columns by bit 0 and the other high bits; the column sum
+of a query is then additions inside one thread, with no shuffle.
+
+A key is rejected only on ``U < τ`` (strict; NaN never rejects);
+``prune = 0`` disables rejection for a query (τ = −∞ in the kernel). The
+screen writes, for every refinement group of 4 queries (paper Sec. 3) and
+every key of the program's tiles, one byte: the 4-bit mask of the group's
+queries for which the key survived (:func:`screen_masks`; fixed positions, no
+compaction, no atomics). :func:`compact_masks` then turns each group's bytes
+into a survivor list ``id | mask << 27`` at ``count + cumsum − 1``
+(deterministic, ascending ids); its count keeps growing past the list's
+capacity, so an overflowing group is detected (never silently truncated) and
+its queries are recovered exactly. Until session 9 the screen compacted its
+survivors itself, on the critical path of every key tile (a cross-warp scan,
+layout conversions and scattered stores; almost every tile has a survivor).
 
 Queries with similar budgets share tiles (paper Sec. 3):
-:func:`pallas_kernels.pipeline.screen_by_budget` runs this kernel once per
-budget class, each program in the class of its largest budget with ``Rp``
-rows per query for that budget, all classes writing one set of lists
-(``packed_into``). Before, every program was as wide as the largest candidate
-budget: 32 rows per query at H = 32, the dense scan's MMA width, although
-the automatic budget chose 14 (BENCHMARKS.md, session 7).
+:func:`pallas_kernels.pipeline.screen_by_budget` runs the screen kernel once
+per budget class, each program in the class of its largest budget with ``Rp``
+columns per query for that budget, all classes writing one mask buffer
+(``masks_into``), then one compaction.
 
-Backend: Triton (``cumsum`` and masked stores at computed positions).
+Backend: Triton (``cumsum``, masked stores at computed positions).
 """
 
 from __future__ import annotations
@@ -43,37 +60,40 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
 from dosa_jax import numerics as nm
 from pallas_kernels import records as rec
-from pallas_kernels.common import (ID_BITS, compiler_params, interpret_default, keys_rows_dot,
-                                   next_pow2, pad_axis, piece_pairs, round_up, row_pieces,
-                                   rows_keys_dot, split_key_tiles)
+from pallas_kernels.common import (GROUP, ID_BITS, column_sums, compiler_params,
+                                   in_lane_order, interpret_default, keys_rows_dot,
+                                   lane_sums_apply, next_pow2,
+                                   pad_axis, piece_pairs, round_up, row_pieces, rows_keys_dot,
+                                   split_key_tiles)
 
 Array = jax.Array
 #: Relative upward nudge of the final bound (covers the last roundings: α·v, the sum).
 UP_NUDGE = 2.0 ** -21
 #: Absolute upward floor after scaling (underflow of α·v).
 UP_FLOOR = 2.0 ** -126
-GROUP = 4   # queries per refinement group (bits in a survivor record)
+#: Keys per iteration of the compaction kernel.
+COMPACT_CHUNK = 1024
 
 
 class ScreenOperands(NamedTuple):
-    """Kernel-ready screening rows ([Pr, Tpad*Rp, Dp] pieces) and per-row/per-query vectors."""
+    """Kernel-ready screening columns ([Pr, Tpad*Rp, Dp] pieces) and per-column/per-query
+    vectors."""
 
-    rows: Array        # [Pr, Tpad*Rp, Dp] MMA pieces
-    row_w: Array       # [Tpad*Rp] float32 w̃ (0 for aggregate / padding rows)
-    agg_m: Array       # [Tpad*Rp] float32 1 for aggregate rows
-    linear: Array      # [Tpad] int32
+    rows: Array        # [Pr, Tpad*Rp, Dp] MMA pieces (per program in the layout's column order)
+    row_w: Array       # [Tpad*Rp] float32 column weights (w̃, ±1 aggregate, 0 padding)
     coef: Array        # [Tpad] float32
     eps: Array         # [Tpad] float32
-    tau: Array         # [Tpad] float32
-    prune: Array       # [Tpad] int32
+    tau: Array         # [Tpad] float32 (−inf where the query does not prune)
     Rp: int
     BQs: int
     layout: str = "hk"
+    lane_sums: bool = False
 
 
 def screen_queries_per_program(Rp: int, T: int, layout: str = "hk", BQs=None) -> int:
@@ -96,140 +116,156 @@ def screen_queries_per_program(Rp: int, T: int, layout: str = "hk", BQs=None) ->
 
 
 def screen_rows(R: int, A: int, layout: str = "hk") -> int:
-    """Rows per query in the screen's MMA: R retained + A aggregate rows, to a power of two
-    (at least 16 in ``"kh"``, where one query's rows are the dot's N dimension)."""
+    """Columns per query in the screen's MMA: R retained + A aggregate, to a power of two
+    (at least 16 in ``"kh"``, where one query's columns are the dot's N dimension)."""
     Rp = next_pow2(R + A)
     return max(Rp, 16) if layout == "kh" else Rp
 
 
-def split_aggregate_bf16(aggregate: Array):
-    """Aggregate rows a = hi + lo (+ e) as two bf16-exact rows each, and ‖e‖ bounded upward.
-
-    The screen sums the aggregate rows' dots *before* the ReLU (Eq. 8), so two rows
-    hi, lo give ``(hi + lo)·k̄``; the residual e = a − hi − lo (|e| ≤ 2^-16 |a|)
-    moves z by at most ‖e‖ n_i, which joins the coefficient. With the retained
-    rows exact in bf16 (bf16 or FP8 queries) the whole plan is then one MMA piece.
-
-    Returns:
-      ([T, 2A, D] float32 rows exactly representable in bf16, [T] float32 ‖e‖ upper).
-    """
-    a = aggregate.astype(jnp.float32)
-    hi = nm.rounded_to(a, jnp.bfloat16)      # (a bare astype round trip is dropped under jit)
-    lo = nm.rounded_to(a - hi, jnp.bfloat16)
-    e = (a - hi) - lo                                  # both subtractions exact in float32
-    err = jnp.sum(nm.norm_upper(e), axis=-1)
-    return jnp.concatenate([hi, lo], axis=1), nm.inflate(err, aggregate.shape[1] + 1)
+def aggregate_column_count(split: bool, absolute: bool) -> int:
+    """Aggregate columns per query (:func:`aggregate_columns`)."""
+    return (2 if split else 1) * (2 if absolute else 1)
 
 
-def prepare_screen(rows, row_w, aggregate, linear, coef, eps, tau, prune, Dp: int, BQs=None,
-                   single_piece: bool = False, layout: str = "hk"):
-    """Stack retained rows and aggregate rows per query; pad to Rp rows, Dp columns, BQs queries.
+def aggregate_columns(aggregate: Array, linear: Array, *, split: bool, absolute: bool):
+    """The negative aggregate (Eq. 8, 25) as ReLU columns with weights ±1.
+
+    The plan subtracts ``relu(a·k)`` (or ``a·k`` for queries in the absolute form,
+    ``linear``) for one aggregate row a per query. With ``split`` (bf16/FP8 queries:
+    the screen's rows are one bf16 piece) ``a = hi + lo + e`` with hi, lo exact in bf16
+    and ``|e| ≤ 2^-16 |a|``; ReLU is 1-Lipschitz, so
+
+        −relu(a·k) ≤ −relu(hi·k) + relu(−lo·k) + ‖e‖·‖k‖,
+
+    and ``−x = −relu(x) + relu(−x)`` writes the absolute form's ``−a·k`` in ReLU
+    columns too. Columns (``absolute`` adds the negated pieces; unused weights are 0):
+
+    * split, basic: [hi, −lo] with [−1, +1];
+    * split, absolute: [hi, −hi, lo, −lo] with [−1, +1, −1, +1] (linear) or [−1, 0, 0, +1];
+    * no split: [a] with [−1]; absolute: [a, −a] with [−1, +1] (linear) or [−1, 0].
+
+    Negation is exact, so every column is as exact in bf16 as its piece.
 
     Args:
-      rows: [T, R, D] float32; row_w: [T, R]; aggregate: [T, A, D]; the rest [T].
-      single_piece: feed the rows as one bf16 piece (one MMA per key tile instead of
+      aggregate: [T, 1, D] float32; linear: [T] bool.
+    Returns:
+      (columns [T, A, D] float32, weights [T, A] float32, ‖e‖ upper bound [T] or None).
+    """
+    if aggregate.shape[1] != 1:
+        raise ValueError(f"internal: one aggregate row per query expected, got {aggregate.shape}")
+    a = aggregate[:, 0].astype(jnp.float32)
+    lin = linear.astype(bool)
+    one = jnp.ones(lin.shape, jnp.float32)
+    err = None
+    if split:
+        hi = nm.rounded_to(a, jnp.bfloat16)      # (a bare astype round trip is dropped under jit)
+        lo = nm.rounded_to(a - hi, jnp.bfloat16)
+        e = (a - hi) - lo                                  # both subtractions exact in float32
+        err = nm.inflate(nm.norm_upper(e), 2)
+        if absolute:
+            cols = [hi, -hi, lo, -lo]
+            ws = [-one, jnp.where(lin, 1.0, 0.0), jnp.where(lin, -1.0, 0.0), one]
+        else:
+            cols, ws = [hi, -lo], [-one, one]
+    elif absolute:
+        cols, ws = [a, -a], [-one, jnp.where(lin, 1.0, 0.0)]
+    else:
+        cols, ws = [a], [-one]
+    return jnp.stack(cols, axis=1), jnp.stack(ws, axis=1).astype(jnp.float32), err
+
+
+def prepare_screen(rows, row_w, agg_cols, agg_w, coef, eps, tau, prune, Dp: int, BQs=None,
+                   single_piece: bool = False, layout: str = "hk", lane_sums: bool = False):
+    """Stack retained and aggregate columns per query; pad to Rp columns, Dp, BQs queries.
+
+    Args:
+      rows: [T, R, D] float32; row_w: [T, R]; agg_cols: [T, A, D], agg_w: [T, A]
+        (:func:`aggregate_columns`); coef, eps, tau: [T] float32; prune: [T] bool.
+      single_piece: feed the columns as one bf16 piece (one MMA per key tile instead of
         two); ``coef`` must then include their rounding
         (:func:`pallas_kernels.numerics.kernel_coefficient` with the same flag).
+      lane_sums: (``"kc"``) columns in :func:`pallas_kernels.common.lane_aligned_order`
+        (in-thread sums).
     """
     T, R, D = rows.shape
-    A = aggregate.shape[1]
+    A = agg_cols.shape[1]
     Rp = screen_rows(R, A, layout)
     BQs = screen_queries_per_program(Rp, T, layout, BQs)
+    lane_sums = bool(lane_sums) and layout == "kc" and lane_sums_apply(BQs, Rp)
     Tpad = round_up(T, BQs)
-    allr = jnp.concatenate([rows.astype(jnp.float32), aggregate.astype(jnp.float32)], axis=1)
+    allr = jnp.concatenate([rows.astype(jnp.float32), agg_cols.astype(jnp.float32)], axis=1)
     allr = pad_axis(pad_axis(pad_axis(allr, 1, Rp), 2, Dp), 0, Tpad)
-    pieces = row_pieces(allr, single_piece)  # [Pr, Tpad, Rp, Dp]
     rw = pad_axis(pad_axis(jnp.concatenate(
-        [row_w.astype(jnp.float32), jnp.zeros((T, A), jnp.float32)], axis=1), 1, Rp), 0, Tpad)
-    am = pad_axis(pad_axis(jnp.concatenate(
-        [jnp.zeros((T, R), jnp.float32), jnp.ones((T, A), jnp.float32)], axis=1), 1, Rp), 0, Tpad)
+        [row_w.astype(jnp.float32), agg_w.astype(jnp.float32)], axis=1), 1, Rp), 0, Tpad)
+    pieces = row_pieces(allr, single_piece)  # [Pr, Tpad, Rp, Dp]
+    pieces = pieces.reshape(pieces.shape[0], Tpad * Rp, Dp)
+    rw = rw.reshape(-1)
+    if lane_sums:   # reorder each program's BQs·Rp columns
+        pieces = in_lane_order(pieces, BQs, Rp)
+        rw = in_lane_order(rw[None, :, None], BQs, Rp)[0, :, 0]
     padq = lambda x, v=0: pad_axis(x, 0, Tpad, v)
+    tau = jnp.where(prune.astype(bool), tau.astype(jnp.float32), -jnp.inf)
     return ScreenOperands(
-        rows=pieces.reshape(pieces.shape[0], Tpad * Rp, Dp), row_w=rw.reshape(-1),
-        agg_m=am.reshape(-1), linear=padq(linear.astype(jnp.int32)),
-        coef=padq(coef.astype(jnp.float32)), eps=padq(eps.astype(jnp.float32)),
-        tau=padq(tau.astype(jnp.float32), jnp.inf), prune=padq(prune.astype(jnp.int32)),
-        Rp=Rp, BQs=BQs, layout=layout)
+        rows=pieces, row_w=rw, coef=padq(coef.astype(jnp.float32)),
+        eps=padq(eps.astype(jnp.float32)), tau=padq(tau, jnp.inf), Rp=Rp, BQs=BQs,
+        layout=layout, lane_sums=lane_sums)
 
 
-def bound_tile(r_pieces, row_w, agg_m, k_pieces, knorm, scale, linear, coef, eps, *,
-               BQs: int, Rp: int, pairs, layout: str = "hk", keys_major: bool = False):
-    """U for a tile inside a kernel: [BQs, BK] float32 ([BK, BQs] with ``keys_major``, "kc" only).
+def bound_tile(r_pieces, row_w, k_pieces, knorm, scale, coef, eps, *, BQs: int, Rp: int, pairs,
+               layout: str = "hk", lane_sums: bool = False):
+    """U for a tile inside a kernel: [BQs, BK] float32 (``"hk"``, ``"kh"``) or [BK, G, 4]
+    (``"kc"``, keys-major: the accumulator's orientation, queries as G groups of 4).
 
     ``"hk"``: one dot [BQs*Rp, D] × [D, BK], sums across the accumulator's rows.
-    ``"kh"``: per query one dot [BK, D] × [D, Rp] (``r_pieces[a]``, ``row_w``, ``agg_m``
-    are lists over the BQs queries), sums along the columns a thread holds.
-    ``"kc"``: one dot [BK, D] × [D, BQs*Rp] (all queries' rows as columns), sums over each
-    query's Rp columns, then the [BK, BQs] sums are transposed.
+    ``"kh"``: per query one dot [BK, D] × [D, Rp] (``r_pieces[a]``, ``row_w`` are lists over
+    the BQs queries), sums along the columns a thread holds.
+    ``"kc"``: one dot [BK, D] × [D, BQs*Rp] (all queries' columns),
+    :func:`pallas_kernels.common.column_sums`.
+    ``coef``, ``eps``: [BQs] ("hk", "kh") or [G, 4] ("kc").
     """
     if layout == "kh":
         bk = k_pieces[0].shape[0]
         qi = lax.broadcasted_iota(jnp.int32, (BQs, bk), 0)
         pos = jnp.zeros((BQs, bk), jnp.float32)
-        z = jnp.zeros((BQs, bk), jnp.float32)
         for i in range(BQs):
             y = keys_rows_dot(k_pieces, [rp[i] for rp in r_pieces], pairs)   # [BK, Rp]
             pi = jnp.sum(jnp.maximum(y, 0.0) * row_w[i][None, :], axis=1)
-            zi = jnp.sum(y * agg_m[i][None, :], axis=1)
             pos = jnp.where(qi == i, jnp.broadcast_to(pi[None, :], (BQs, bk)), pos)
-            z = jnp.where(qi == i, jnp.broadcast_to(zi[None, :], (BQs, bk)), z)
     elif layout == "kc":
         y = keys_rows_dot(k_pieces, r_pieces, pairs)                  # [BK, BQs*Rp]
-        bk = y.shape[0]
-        pos = jnp.sum((jnp.maximum(y, 0.0) * row_w[None, :]).reshape(bk, BQs, Rp), axis=2)
-        z = jnp.sum((y * agg_m[None, :]).reshape(bk, BQs, Rp), axis=2)   # [BK, BQs]
-        if keys_major:   # the bound in the accumulator's orientation (no transpose)
-            return _bound_from_sums(pos, z, knorm, scale, linear, coef, eps, keys_major=True)
-        pos, z = pos.T, z.T
+        pos = column_sums(jnp.maximum(y, 0.0) * row_w[None, :], BQs, Rp, lane_sums)
+        v = (pos + (knorm[:, None, None] * coef[None] + eps[None])) * scale[:, None, None]
+        return v + jnp.abs(v) * UP_NUDGE + UP_FLOOR
     else:
         y = rows_keys_dot(r_pieces, k_pieces, pairs)                  # [BQs*Rp, BK]
         bk = y.shape[-1]
         pos = jnp.sum((jnp.maximum(y, 0.0) * row_w[:, None]).reshape(BQs, Rp, bk), axis=1)
-        z = jnp.sum((y * agg_m[:, None]).reshape(BQs, Rp, bk), axis=1)
-    return _bound_from_sums(pos, z, knorm, scale, linear, coef, eps, keys_major=False)
-
-
-def _along(keys_major: bool):
-    """Broadcasts of per-query and per-key vectors onto a [BQs, BK] tile ([BK, BQs] keys-major)."""
-    if keys_major:
-        return (lambda x: x[None, :]), (lambda x: x[:, None])
-    return (lambda x: x[:, None]), (lambda x: x[None, :])
-
-
-def _bound_from_sums(pos, z, knorm, scale, linear, coef, eps, *, keys_major: bool):
-    """U from the row sums (Eq. 9, 26): α_i (Σ w̃ relu(y) − relu(z) + n_i·coef + ε), nudged up."""
-    per_q, per_k = _along(keys_major)
-    neg = jnp.where(per_q(linear) != 0, z, jnp.maximum(z, 0.0))
-    v = (pos - neg) + (per_k(knorm) * per_q(coef) + per_q(eps))
-    v = v * per_k(scale)
+    v = (pos + (knorm[None, :] * coef[:, None] + eps[:, None])) * scale[None, :]
     return v + jnp.abs(v) * UP_NUDGE + UP_FLOOR
 
 
-def _screen_kernel(*refs, Pr: int, Pk: int, BQs: int, Rp: int, BK: int, N: int, S: int, Cs: int,
-                   pairs, layout: str, keys_major: bool):
+def _screen_kernel(*refs, Pr: int, Pk: int, BQs: int, Rp: int, BK: int, N: int, S: int,
+                   pairs, layout: str, lane_sums: bool):
     r_refs = refs[:Pr]
-    (rw_ref, am_ref, lin_ref, coef_ref, eps_ref, tau_ref, pr_ref, lo_ref, hi_ref) = refs[Pr:Pr + 9]
-    k_refs = refs[Pr + 9:Pr + 9 + Pk]
-    kn_ref, sc_ref = refs[Pr + 9 + Pk:Pr + 11 + Pk]
-    sv_ref, cnt_ref, qs_ref = refs[-3:]   # (an aliased survivor-list input may come before)
+    (rw_ref, coef_ref, eps_ref, tau_ref, lo_ref, hi_ref) = refs[Pr:Pr + 6]
+    k_refs = refs[Pr + 6:Pr + 6 + Pk]
+    kn_ref, sc_ref = refs[Pr + 6 + Pk:Pr + 8 + Pk]
+    mk_ref, qs_ref = refs[-2:]   # (an aliased mask input may come before)
     G = BQs // GROUP
     g = pl.program_id(0)
     s = pl.program_id(1)
-    size = sv_ref.shape[0]
+    size = mk_ref.shape[0]
     if layout == "kh":
         qrows = [pl.ds((g * BQs + i) * Rp, Rp) for i in range(BQs)]
         rp = [[r_ref[r, :] for r in qrows] for r_ref in r_refs]
         rw = [rw_ref[r] for r in qrows]
-        am = [am_ref[r] for r in qrows]
     else:
         rp = [r_ref[pl.ds(g * BQs * Rp, BQs * Rp), :] for r_ref in r_refs]
         # held in registers for the scan: reloading them per tile (174 -> 140 registers at
         # Rp = 16) measured 6 % slower on the H200 (session 7)
         rw = rw_ref[pl.ds(g * BQs * Rp, BQs * Rp)]
-        am = am_ref[pl.ds(g * BQs * Rp, BQs * Rp)]
     qsl = pl.ds(g * BQs, BQs)
-    lin, coef, eps, tau = lin_ref[qsl], coef_ref[qsl], eps_ref[qsl], tau_ref[qsl]
-    prune = pr_ref[qsl] != 0
+    coef, eps, tau = coef_ref[qsl], eps_ref[qsl], tau_ref[qsl]
     lo, hi = lo_ref[qsl], hi_ref[qsl]
     nonempty = hi > lo
     klo = jnp.min(jnp.where(nonempty, lo, jnp.int32(2 ** 31 - 1)))
@@ -237,46 +273,45 @@ def _screen_kernel(*refs, Pr: int, Pk: int, BQs: int, Rp: int, BK: int, N: int, 
     start, stop = split_key_tiles(klo, khi, BK, S, s)
     lanes = jnp.arange(BK, dtype=jnp.int32)
     groups = g * G + jnp.arange(G, dtype=jnp.int32)
-    base = (groups * S + s) * Cs
-    qbit = (jnp.int32(1) << (jnp.arange(BQs, dtype=jnp.int32) % GROUP))
-    keys_major = keys_major and layout == "kc"
-    si_shape = (BK, BQs) if keys_major else (BQs, BK)
-    per_q, per_k = _along(keys_major)
+    qbit = jnp.int32(1) << (jnp.arange(BQs, dtype=jnp.int32) % GROUP)
+    kc = layout == "kc"
+    if kc:   # per-query vectors as [G, 4] (the bound's [BK, G, 4] orientation)
+        coef, eps, tau = (x.reshape(G, GROUP) for x in (coef, eps, tau))
+        lo, hi, qbit = (x.reshape(G, GROUP) for x in (lo, hi, qbit))
+    si_shape = (BK, G, GROUP) if kc else (BQs, BK)
 
-    def body(j, carry):
-        cnt, qs = carry
+    def body(j, qs):
         ids = j * BK + lanes
         inb = ids < N
         kp = [rec._plgpu().load(k_ref.at[pl.ds(j * BK, BK), :], mask=inb[:, None])
               for k_ref in k_refs]
         kn = rec._plgpu().load(kn_ref.at[pl.ds(j * BK, BK)], mask=inb, other=0.0)
         sc = rec._plgpu().load(sc_ref.at[pl.ds(j * BK, BK)], mask=inb, other=1.0)
-        U = bound_tile(rp, rw, am, kp, kn, sc, lin, coef, eps, BQs=BQs, Rp=Rp, pairs=pairs,
-                       layout=layout, keys_major=keys_major)
-        vis = (per_k(ids) >= per_q(lo)) & (per_k(ids) < per_q(hi))
-        surv = vis & (~(U < per_q(tau)) | ~per_q(prune))
-        si = surv.astype(jnp.int32)
-        if keys_major:   # [BK, BQs]: the query-axis sums stay in the MMA layout's threads
-            bits = jnp.sum((si * qbit[None, :]).reshape(BK, G, GROUP), axis=2).T   # [G, BK]
+        U = bound_tile(rp, rw, kp, kn, sc, coef, eps, BQs=BQs, Rp=Rp, pairs=pairs,
+                       layout=layout, lane_sums=lane_sums)
+        if kc:
+            idq = ids[:, None, None]
+            surv = (idq >= lo[None]) & (idq < hi[None]) & ~(U < tau[None])
+            si = surv.astype(jnp.int32)
+            bits = jnp.sum(si * qbit[None], axis=2)                       # [BK, G]
+            idx = groups[None, :] * N + ids[:, None]
+            ok = jnp.broadcast_to(inb[:, None], idx.shape)
         else:
-            bits = jnp.sum((si * qbit[:, None]).reshape(G, GROUP, BK), axis=1)
-        anyq = bits > 0
-        ai = anyq.astype(jnp.int32)
-        n = jnp.sum(ai, axis=1)
+            vis = (ids[None, :] >= lo[:, None]) & (ids[None, :] < hi[:, None])
+            surv = vis & ~(U < tau[:, None])
+            si = surv.astype(jnp.int32)
+            bits = jnp.sum((si * qbit[:, None]).reshape(G, GROUP, BK), axis=1)   # [G, BK]
+            idx = groups[:, None] * N + ids[None, :]
+            ok = jnp.broadcast_to(inb[None, :], idx.shape)
+        rec._plgpu().store(mk_ref.at[rec.masked_index(idx, ok, size)], bits.astype(jnp.int8),
+                           mask=ok)
+        return qs + si      # per-query counts summed once, after the loop
 
-        def write():
-            pos = cnt[:, None] + jnp.cumsum(ai, axis=1) - 1
-            ok = anyq & (pos < Cs)
-            rec.store_slots(sv_ref, base, pos, ids[None, :] | (bits << ID_BITS), ok, size)
-
-        lax.cond(jnp.max(n) > 0, write, lambda: None)
-        return cnt + n, qs + si      # per-query counts summed once, after the loop
-
-    cnt, qs = lax.fori_loop(start, stop, body,
-                            (jnp.zeros((G,), jnp.int32), jnp.zeros(si_shape, jnp.int32)))
-    cnt_ref[groups * S + s] = cnt
-    qs_ref[(g * BQs + jnp.arange(BQs, dtype=jnp.int32)) * S + s] = jnp.sum(
-        qs, axis=0 if keys_major else 1)
+    qs = lax.fori_loop(start, stop, body, jnp.zeros(si_shape, jnp.int32))
+    qidx = g * BQs + jnp.arange(BQs, dtype=jnp.int32)
+    if kc:
+        qidx = qidx.reshape(G, GROUP)
+    qs_ref[qidx * S + s] = jnp.sum(qs, axis=0 if kc else 1)
 
 
 class Survivors(NamedTuple):
@@ -287,67 +322,141 @@ class Survivors(NamedTuple):
     per_query: Array  # [T, S] int32 survivors per query
 
 
-@functools.partial(jax.jit, static_argnames=("BQs", "Rp", "BK", "S", "Cs", "pairs", "num_warps",
-                                             "num_stages", "interpret", "T", "layout",
-                                             "keys_major"), donate_argnames=("packed_into",))
-def _screen_call(rows, row_w, agg_m, linear, coef, eps, tau, prune, lo, hi, k, knorm, scale,
-                 packed_into=None, *, BQs, Rp, BK, S, Cs, pairs, num_warps, num_stages,
-                 interpret, T, layout, keys_major):
+@functools.partial(jax.jit, static_argnames=("BQs", "Rp", "BK", "S", "pairs", "num_warps",
+                                             "num_stages", "interpret", "layout", "lane_sums"),
+                   donate_argnames=("masks_into",))
+def _screen_call(rows, row_w, coef, eps, tau, lo, hi, k, knorm, scale, masks_into=None, *,
+                 BQs, Rp, BK, S, pairs, num_warps, num_stages, interpret, layout, lane_sums):
     Tpad = lo.shape[0]
     G4 = Tpad // GROUP
     N = k.shape[1]
     kern = functools.partial(_screen_kernel, Pr=rows.shape[0], Pk=k.shape[0], BQs=BQs, Rp=Rp,
-                             BK=BK, N=N, S=S, Cs=Cs, pairs=pairs, layout=layout,
-                             keys_major=keys_major)
-    i32 = jnp.int32
-    args = (*rows, row_w, agg_m, linear, coef, eps, tau, prune, lo, hi, *k, knorm, scale)
+                             BK=BK, N=N, S=S, pairs=pairs, layout=layout, lane_sums=lane_sums)
+    args = (*rows, row_w, coef, eps, tau, lo, hi, *k, knorm, scale)
     aliases = {}
-    if packed_into is not None:   # write this call's groups into another call's lists
+    if masks_into is not None:   # write this call's programs into another call's masks
         aliases = {len(args): 0}
-        args = args + (packed_into.reshape(-1),)
-    sv, cnt, qs = pl.pallas_call(
+        args = args + (masks_into.reshape(-1),)
+    mk, qs = pl.pallas_call(
         kern, grid=(Tpad // BQs, S),
-        out_shape=(jax.ShapeDtypeStruct((G4 * S * Cs,), i32),
-                   jax.ShapeDtypeStruct((G4 * S,), i32), jax.ShapeDtypeStruct((Tpad * S,), i32)),
+        out_shape=(jax.ShapeDtypeStruct((G4 * N,), jnp.int8),
+                   jax.ShapeDtypeStruct((Tpad * S,), jnp.int32)),
         compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
         input_output_aliases=aliases, name="dosa_screen")(*args)
-    return Survivors(sv.reshape(G4, S, Cs), cnt.reshape(G4, S), qs.reshape(Tpad, S)[:T])
+    return mk.reshape(G4, N), qs.reshape(Tpad, S)
 
 
-def screen(sops: ScreenOperands, lo, hi, k_pieces, knorm, scale, *, splits: int, capacity: int,
-           BK: int = 64, num_warps: int = 4, num_stages: int = 2, keys_major: bool = True,
-           interpret=None, packed_into=None) -> Survivors:
-    """Run the screening kernel.
+def screen_masks(sops: ScreenOperands, lo, hi, k_pieces, knorm, scale, *, splits: int,
+                 BK: int = 64, num_warps: int = 4, num_stages: int = 2, interpret=None,
+                 masks_into=None):
+    """Run the screening kernel: survival masks per group of 4 and key.
 
     Args:
       sops: :func:`prepare_screen` output; lo, hi: [T] ranges;
       k_pieces: [Pk, N, Dp] key MMA pieces; knorm: [N] n_i ≥ ‖k̄_i‖; scale: [N] α_i.
-      capacity: survivor slots per (group, split).
-      keys_major: ("kc") evaluate the bound in the accumulator's [BK, BQs] orientation.
-      packed_into: survivor lists of an earlier call with the same groups, splits and
-        capacity, updated in place (its buffer is donated): groups with no visible key
-        here keep their entries (their counts here are 0; the caller merges counts).
+      masks_into: the masks of an earlier call with the same queries and keys, updated in
+        place (its buffer is donated): only the programs with visible keys here write.
+    Returns:
+      (masks [G4, N] int8: bit b set where query 4g + b keeps the key, written on every key
+      tile of the group's program, per-query survivor counts [Tpad, splits] int32).
     """
     if interpret is None:
         interpret = interpret_default()
+    Tpad = sops.coef.shape[0]
     T = lo.shape[0]
-    Tpad = sops.linear.shape[0]
+    if (Tpad // GROUP) * k_pieces.shape[1] >= 2 ** 31:
+        raise ValueError(f"screen masks of {Tpad // GROUP} groups x {k_pieces.shape[1]} keys "
+                         "exceed int32 offsets: screen fewer queries at once (waves)")
     lo = jnp.pad(lo.astype(jnp.int32), (0, Tpad - T))
     hi = jnp.pad(hi.astype(jnp.int32), (0, Tpad - T))
     pairs = piece_pairs(sops.rows.shape[0], k_pieces.shape[0])
-    return _screen_call(sops.rows, sops.row_w, sops.agg_m, sops.linear, sops.coef, sops.eps,
-                        sops.tau, sops.prune, lo, hi, k_pieces, knorm, scale, packed_into,
-                        BQs=sops.BQs,
-                        Rp=sops.Rp, BK=BK, S=splits, Cs=round_up(capacity, 16), pairs=pairs,
-                        num_warps=num_warps, num_stages=num_stages, interpret=interpret, T=T,
-                        layout=sops.layout, keys_major=bool(keys_major))
+    return _screen_call(sops.rows, sops.row_w, sops.coef, sops.eps, sops.tau, lo, hi, k_pieces,
+                        knorm, scale, masks_into, BQs=sops.BQs, Rp=sops.Rp, BK=BK, S=splits,
+                        pairs=pairs, num_warps=num_warps, num_stages=num_stages,
+                        interpret=interpret, layout=sops.layout, lane_sums=sops.lane_sums)
 
 
-def screening_bound_reference(rows, row_w, aggregate, linear, coef, eps, k_pieces, knorm,
-                              scale, single_piece: bool = False) -> Array:
+def _compact_kernel(mk_ref, lo_ref, hi_ref, sv_ref, cnt_ref, *, N: int, S: int, Cs: int,
+                    CH: int):
+    g = pl.program_id(0)
+    s = pl.program_id(1)
+    size = sv_ref.shape[0]
+    lo = lo_ref[pl.ds(g * GROUP, GROUP)]
+    hi = hi_ref[pl.ds(g * GROUP, GROUP)]
+    nonempty = hi > lo
+    klo = jnp.min(jnp.where(nonempty, lo, jnp.int32(2 ** 31 - 1)))
+    khi = jnp.max(jnp.where(nonempty, hi, 0))
+    start, stop = split_key_tiles(klo, khi, CH, S, s)
+    lanes = jnp.arange(CH, dtype=jnp.int32)
+    base = (g * S + s) * Cs
+
+    def body(j, cnt):
+        ids = j * CH + lanes
+        ok = (ids >= klo) & (ids < khi)     # the group's range: bytes its program wrote
+        b = rec._plgpu().load(mk_ref.at[rec.masked_index(g * N + ids, ok, mk_ref.shape[0])],
+                              mask=ok, other=0).astype(jnp.int32) & 0xF
+        keep = b != 0
+        ki = keep.astype(jnp.int32)
+        pos = cnt + jnp.cumsum(ki) - 1
+        w = keep & (pos < Cs)
+        rec._plgpu().store(sv_ref.at[rec.masked_index(base + pos, w, size)],
+                           ids | (b << ID_BITS), mask=w)
+        return cnt + jnp.sum(ki)
+
+    cnt_ref[pl.ds(g * S + s, 1)] = jnp.full(
+        (1,), lax.fori_loop(start, stop, body, jnp.int32(0)), jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("S", "Cs", "CH", "interpret"))
+def _compact_call(masks, lo, hi, *, S, Cs, CH, interpret):
+    G4, N = masks.shape
+    kern = functools.partial(_compact_kernel, N=N, S=S, Cs=Cs, CH=CH)
+    sv, cnt = pl.pallas_call(
+        kern, grid=(G4, S),
+        out_shape=(jax.ShapeDtypeStruct((G4 * S * Cs,), jnp.int32),
+                   jax.ShapeDtypeStruct((G4 * S,), jnp.int32)),
+        compiler_params=compiler_params(4, 2), interpret=interpret,
+        name="dosa_compact_survivors")(masks.reshape(-1), lo, hi)
+    return sv.reshape(G4, S, Cs), cnt.reshape(G4, S)
+
+
+def compact_masks(masks: Array, lo, hi, *, splits: int, capacity: int, chunk: int = COMPACT_CHUNK,
+                  interpret=None):
+    """Survivor lists from screening masks (Pallas Triton; twin :func:`compact_masks_reference`).
+
+    Group g's list split s holds, in ascending order, ``id | bits << 27`` for every key of
+    the group's range (the union of its 4 queries' [lo, hi)) in the split's part with
+    nonzero bits; the count is the true number (it may exceed ``capacity``: overflow).
+
+    Args:
+      masks: [G4, N] int8 (:func:`screen_masks`); lo, hi: [T] the screening ranges.
+    Returns: (packed [G4, splits, Cs] int32, count [G4, splits] int32).
+    """
+    if interpret is None:
+        interpret = interpret_default()
+    G4 = masks.shape[0]
+    lo = pad_axis(lo.astype(jnp.int32), 0, G4 * GROUP)
+    hi = pad_axis(hi.astype(jnp.int32), 0, G4 * GROUP)
+    return _compact_call(masks, lo, hi, S=splits, Cs=round_up(capacity, 16), CH=chunk,
+                         interpret=interpret)
+
+
+def screen(sops: ScreenOperands, lo, hi, k_pieces, knorm, scale, *, splits: int, capacity: int,
+           BK: int = 64, num_warps: int = 4, num_stages: int = 2, interpret=None) -> Survivors:
+    """:func:`screen_masks`, then :func:`compact_masks` into survivor lists."""
+    masks, per_query = screen_masks(sops, lo, hi, k_pieces, knorm, scale, splits=splits, BK=BK,
+                                    num_warps=num_warps, num_stages=num_stages,
+                                    interpret=interpret)
+    packed, count = compact_masks(masks, lo, hi, splits=splits, capacity=capacity,
+                                  interpret=interpret)
+    return Survivors(packed, count, per_query[:lo.shape[0]])
+
+
+def screening_bound_reference(rows, row_w, agg_cols, agg_w, coef, eps, k_pieces, knorm, scale,
+                              single_piece: bool = False) -> Array:
     """jnp twin of :func:`bound_tile` on full arrays: U [T, N] with the same operand pieces."""
-    T, R, D = rows.shape
-    allr = jnp.concatenate([rows, aggregate], axis=1).astype(jnp.float32)
+    allr = jnp.concatenate([rows, agg_cols], axis=1).astype(jnp.float32)
+    allw = jnp.concatenate([row_w, agg_w], axis=1).astype(jnp.float32)
     Dp = k_pieces.shape[-1]
     allr = pad_axis(allr, 2, Dp)
     rp = row_pieces(allr, single_piece)
@@ -356,11 +465,8 @@ def screening_bound_reference(rows, row_w, aggregate, linear, coef, eps, k_piece
         d = jnp.einsum("trd,nd->tnr", rp[a].astype(jnp.float32), k_pieces[b].astype(jnp.float32),
                        precision=lax.Precision.HIGHEST)
         y = d if y is None else y + d
-    pos = jnp.sum(jnp.maximum(y[..., :R], 0.0) * row_w[:, None, :], axis=-1)
-    z = jnp.sum(y[..., R:], axis=-1)
-    neg = jnp.where(linear[:, None], z, jnp.maximum(z, 0.0))
-    v = (pos - neg) + (knorm[None, :] * coef[:, None] + eps[:, None])
-    v = v * scale[None, :]
+    pos = jnp.sum(jnp.maximum(y, 0.0) * allw[:, None, :], axis=-1)
+    v = (pos + (knorm[None, :] * coef[:, None] + eps[:, None])) * scale[None, :]
     return v + jnp.abs(v) * UP_NUDGE + UP_FLOOR
 
 
@@ -369,3 +475,28 @@ def survivors_reference(U: Array, tau: Array, prune: Array, lo: Array, hi: Array
     ids = jnp.arange(U.shape[1], dtype=jnp.int32)[None, :]
     vis = (ids >= lo[:, None]) & (ids < hi[:, None])
     return vis & (~(U < tau[:, None]) | ~prune[:, None])
+
+
+def compact_masks_reference(masks: Array, lo: Array, hi: Array, splits: int,
+                            chunk: int = COMPACT_CHUNK):
+    """numpy twin of :func:`compact_masks` (full lists, no capacity): per (group, split) the
+    array of entries ``id | bits << 27``."""
+    masks, lo, hi = np.asarray(masks), np.asarray(lo), np.asarray(hi)
+    G4, N = masks.shape
+    out = []
+    for g in range(G4):
+        l4, h4 = lo[4 * g:4 * g + 4], hi[4 * g:4 * g + 4]
+        ne = h4 > l4
+        klo, khi = (int(l4[ne].min()), int(h4[ne].max())) if ne.any() else (2 ** 31 - 1, 0)
+        tile0 = klo // chunk
+        ntile = max(-(-khi // chunk) - tile0, 0)
+        per = -(-ntile // splits)
+        row = []
+        for s in range(splits):
+            a = max((tile0 + s * per) * chunk, klo)
+            b = min(min(tile0 + s * per + per, tile0 + ntile) * chunk, khi)
+            ids = np.arange(a, max(a, b))
+            bits = masks[g, ids].astype(np.int32) & 0xF
+            row.append((ids[bits != 0] | (bits[bits != 0] << ID_BITS)).astype(np.int32))
+        out.append(row)
+    return out

@@ -179,7 +179,7 @@ def group_witnesses(Tpad: int, hint=None, anchor_topk=None, anchor_stride: int =
 
 # ------------------------------------------------------------------ seed scores
 
-def _seed_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, H: int, L: int, pairs):
+def _seed_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, H: int, L: int, pairs, lane_sums: bool):
     q_refs = refs[:Pq]
     w_ref, sv_ref, sn_ref = refs[Pq:Pq + 3]
     k_refs = refs[Pq + 3:Pq + 3 + Pk]
@@ -197,7 +197,7 @@ def _seed_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, H: int, L: int, pairs):
     def tile(c, carry):
         slot = c * BK + lanes
         _, mine, sc = score_list_tile(sv_ref, g * L, slot, n_list, k_refs, sc_ref, qp, wv,
-                                      tiles=tiles, H=H, pairs=pairs)
+                                      tiles=tiles, H=H, pairs=pairs, lane_sums=lane_sums)
         key = jnp.where(mine, kernel_order_key(sc), INT32_MIN)
         rec.store_slots(out_ref, rows, slot[None, :], key, everywhere, size)
         return carry
@@ -206,12 +206,12 @@ def _seed_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, H: int, L: int, pairs):
     lax.fori_loop(start, jnp.minimum(start + SEED_TILES, L // BK), tile, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("tiles", "interpret", "T", "H", "pairs"))
-def _seed_call(q, w, lists, list_count, k, scale, *, tiles, interpret, T, H, pairs):
+@functools.partial(jax.jit, static_argnames=("tiles", "interpret", "T", "H", "pairs", "lane_sums"))
+def _seed_call(q, w, lists, list_count, k, scale, *, tiles, interpret, T, H, pairs, lane_sums):
     G4, _, L = lists.shape
     Tpad = G4 * tiles.BQ
     kern = functools.partial(_seed_kernel, Pq=q.shape[0], Pk=k.shape[0], tiles=tiles, H=H, L=L,
-                             pairs=pairs)
+                             pairs=pairs, lane_sums=lane_sums)
     out = pl.pallas_call(
         kern, grid=(G4, cdiv(L // tiles.BK, SEED_TILES)),
         out_shape=jax.ShapeDtypeStruct((Tpad * L,), jnp.int32),
@@ -237,7 +237,8 @@ def seed_scores(ops: Operands, lists: Array, list_count: Array, *, tiles: Tiles 
     if interpret is None:
         interpret = interpret_default()
     return _seed_call(ops.q, ops.w, lists, list_count, ops.k, ops.scale, tiles=tiles,
-                      interpret=interpret, T=ops.T, H=ops.H, pairs=ops.pairs)
+                      interpret=interpret, T=ops.T, H=ops.H, pairs=ops.pairs,
+                      lane_sums=ops.lane_sums)
 
 
 def seed_scores_reference(q_pieces: Array, w: Array, k_pieces: Array, scale, lists: Array,

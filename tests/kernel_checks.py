@@ -37,8 +37,8 @@ def assert_screening_bound_holds_on_every_key(inp, det):
     assert single == (inp.q.dtype == jnp.bfloat16)
     plan = det["plan"]
     ops = dense.prepare_operands(inp.q, inp.w, inp.k, inp.k_scale, 4)
-    U = screen.screening_bound_reference(plan.rows, plan.row_weights, det["aggregate_rows"],
-                                         plan.aggregate_linear, det["coef"], det["eps"], ops.k,
+    U = screen.screening_bound_reference(plan.rows, plan.row_weights, det["aggregate_columns"],
+                                         det["aggregate_weights"], det["coef"], det["eps"], ops.k,
                                          key_norm_upper(inp.k), ops.scale, single_piece=single)
     s = score_reference(mma_pieces(inp.q), inp.w, mma_pieces(inp.k), inp.k_scale)
     U, s = np.asarray(U), np.asarray(s)

@@ -21,7 +21,7 @@ from dosa_jax.config import Config
 from dosa_jax.selection import exact_topk as ref_exact_topk
 from pallas_kernels import dense, pipeline, records, screen
 from pallas_kernels import select as pselect
-from pallas_kernels.common import THETA_NONE, mma_pieces, on_gpu
+from pallas_kernels.common import THETA_NONE, lane_aligned_order, mma_pieces, on_gpu
 from kernel_checks import (assert_screening_bound_holds_on_every_key, jit_dosa_details,
                            unpack_survivors)
 
@@ -115,50 +115,96 @@ def test_exact_topk_matches_reference_with_ties_nan_and_bad_guess():
     assert int(st["fallback_rows"][4]) == 1
 
 
-@pytest.mark.parametrize("single_piece,layout,bq,keys_major",
-                         [(False, "hk", None, False), (True, "kh", None, False),
-                          (True, "kc", None, False), (False, "kc", 8, True)],
-                         ids=["two_pieces", "one_piece_kh", "one_piece_kc_transposed",
-                              "two_pieces_kc_bq8_keys_major"])
-def test_screen_matches_twin(single_piece, layout, bq, keys_major):
+@pytest.mark.parametrize("single_piece,layout,bq,lane_sums,absolute",
+                         [(False, "hk", None, False, False), (True, "kh", None, False, True),
+                          (True, "kc", None, True, False), (True, "kc", 8, False, True),
+                          (False, "kc", 8, True, True)],
+                         ids=["two_pieces_hk", "one_piece_kh_absolute", "one_piece_kc_lanes",
+                              "one_piece_kc_bq8_query_major_absolute",
+                              "two_pieces_kc_bq8_lanes_absolute"])
+def test_screen_matches_twin(single_piece, layout, bq, lane_sums, absolute):
+    """The screen kernel's survival masks and the compaction's lists against the twins on every
+    (query, key): the bound (retained heads, the aggregate as ReLU columns in both forms, the
+    kernel's lane-aligned column order or not), the strict rejection, prune off, empty ranges."""
     inp = synthetic.structured(T=8, N=500, H=4, D=32, seed=2, key_dtype="float8_e4m3fn",
                                query_dtype="bfloat16")
     T = 8
     rng = np.random.default_rng(3)
-    R, A = 2, 1
+    R = 2
     q32 = inp.q.astype(jnp.float32)
     rows = q32[:, :R]
-    row_w = jnp.abs(inp.w[:, :R])
-    agg = q32[:, R:R + A] * 0.3
-    if single_piece:   # the pipeline's form: aggregate as hi + lo rows, retained rows bf16-exact
-        agg, agg_err = screen.split_aggregate_bf16(agg)
-        assert agg.shape[1] == 2 * A and bool(jnp.all(agg_err >= 0))
-        np.testing.assert_array_equal(np.asarray(agg.astype(jnp.bfloat16).astype(jnp.float32)),
-                                      np.asarray(agg))
-    linear = jnp.asarray(rng.random(T) < 0.3)
+    row_w = jnp.asarray(inp.w[:, :R])
+    agg = q32[:, R:R + 1] * 0.3
+    linear = jnp.asarray(rng.random(T) < 0.5)
+    cols, cw, err = screen.aggregate_columns(agg, linear, split=single_piece, absolute=absolute)
+    assert cols.shape[1] == screen.aggregate_column_count(single_piece, absolute)
+    if single_piece:   # the pipeline's form: hi, lo exact in bf16, the remainder bounded
+        np.testing.assert_array_equal(np.asarray(cols.astype(jnp.bfloat16).astype(jnp.float32)),
+                                      np.asarray(cols))
+        assert bool(jnp.all(err >= 0))
+    # the columns bound the aggregate term from above on every key (Eq. 8, 25; + ‖e‖·‖k‖)
+    kf = np.asarray(inp.k.astype(jnp.float32), np.float64)
+    z = np.einsum("td,nd->tn", np.asarray(agg[:, 0], np.float64), kf)
+    term = np.where(np.asarray(linear)[:, None] & absolute, -z, -np.maximum(z, 0))
+    cz = np.einsum("tad,nd->tan", np.asarray(cols, np.float64), kf)
+    got_term = np.sum(np.maximum(cz, 0) * np.asarray(cw, np.float64)[:, :, None], axis=1)
+    slack = (0 if err is None else np.asarray(err, np.float64)[:, None]
+             * np.linalg.norm(kf, axis=1)[None, :])
+    assert np.all(got_term + slack >= term - 1e-9 * (1 + np.abs(term)))
     coef = jnp.full((T,), 0.05, jnp.float32)
     eps = jnp.full((T,), 1e-30, jnp.float32)
     tau = jnp.asarray(rng.uniform(-0.5, 1.0, T), jnp.float32)
     prune = jnp.asarray([True] * 7 + [False])
+    lo = inp.lo.at[2].set(inp.hi[2])                      # an empty range
     ops = dense.prepare_operands(inp.q, inp.w, inp.k, inp.k_scale, 4)
     from dosa_jax.enclosure import key_norm_upper
     knorm = key_norm_upper(inp.k)
-    sops = screen.prepare_screen(rows, row_w, agg, linear, coef, eps, tau, prune, ops.k.shape[-1],
-                                 single_piece=single_piece, layout=layout, BQs=bq)
+    sops = screen.prepare_screen(rows, row_w, cols, cw, coef, eps, tau, prune, ops.k.shape[-1],
+                                 single_piece=single_piece, layout=layout, BQs=bq,
+                                 lane_sums=lane_sums)
     assert sops.BQs % 4 == 0 and (bq is None or sops.BQs == bq)
     assert layout != "kh" or sops.Rp >= 16
     assert layout == "hk" or sops.BQs * sops.Rp >= 16
     assert sops.rows.shape[0] == (1 if single_piece else 2)
-    surv = screen.screen(sops, inp.lo, inp.hi, ops.k, knorm, ops.scale, splits=2, capacity=512,
-                         BK=16, keys_major=keys_major)
-    U = screen.screening_bound_reference(rows, row_w, agg, linear, coef, eps, ops.k, knorm,
+    assert sops.lane_sums == (lane_sums and layout == "kc")
+    masks, per_query = screen.screen_masks(sops, lo, inp.hi, ops.k, knorm, ops.scale, splits=2,
+                                           BK=16)
+    packed, count = screen.compact_masks(masks, lo, inp.hi, splits=2, capacity=512, chunk=64)
+    U = screen.screening_bound_reference(rows, row_w, cols, cw, coef, eps, ops.k, knorm,
                                          ops.scale, single_piece=single_piece)
-    m = np.asarray(screen.survivors_reference(U, tau, prune, inp.lo, inp.hi))
-    got = unpack_survivors(surv.packed, surv.count, T, m.shape[1])   # checks ascending ids
+    m = np.asarray(screen.survivors_reference(U, tau, prune, lo, inp.hi))
+    got = unpack_survivors(packed, count, T, m.shape[1])   # checks ascending ids
     near = np.abs(np.asarray(U) - np.asarray(tau)[:, None]) <= 1e-5 * (1 + np.abs(np.asarray(U)))
     assert np.all((got == m) | near)
-    assert np.array_equal(np.asarray(surv.per_query).sum(1), got.sum(1))
+    assert np.array_equal(np.asarray(per_query)[:T].sum(1), got.sum(1))
     assert got[7].sum() == int(inp.hi[7] - inp.lo[7])          # prune off: everything survives
+    assert got[2].sum() == 0 and 0 < got.sum() < m.size       # empty range; pruned and kept
+    # the compaction kernel against its twin, entry by entry, with a list too short (overflow:
+    # the count keeps the true number, the stored entries are the first ones)
+    want = screen.compact_masks_reference(masks, lo, inp.hi, 2, chunk=64)
+    short, scount = screen.compact_masks(masks, lo, inp.hi, splits=2, capacity=16, chunk=64)
+    for g in range(2):
+        for s in range(2):
+            assert int(count[g, s]) == len(want[g][s]) == int(scount[g, s])
+            np.testing.assert_array_equal(np.asarray(packed[g, s, :len(want[g][s])]), want[g][s])
+            n = min(16, len(want[g][s]))
+            np.testing.assert_array_equal(np.asarray(short[g, s, :n]), want[g][s][:n])
+    assert int(jnp.max(scount)) > 16
+
+
+def test_lane_aligned_order_puts_each_query_in_one_thread():
+    """Column c of a kc program holds query 4h + p, column 2m + b, for c = ((h·Rp/2 + m)·4 +
+    p)·2 + b: the query is given by c's bits 1–2 (the wgmma accumulator's lane in a quad) and
+    h; every logical column appears once."""
+    for BQs, Rp in ((4, 2), (8, 16), (16, 8), (8, 32)):
+        order = lane_aligned_order(BQs, Rp)
+        assert sorted(order.tolist()) == list(range(BQs * Rp))
+        c = np.arange(BQs * Rp)
+        query = order // Rp
+        assert np.array_equal(query % 4, (c >> 1) & 3)
+        assert np.array_equal(query // 4, c // (4 * Rp))
+    with pytest.raises(ValueError):
+        lane_aligned_order(6, 16)
 
 
 def _check_unprunable_groups_go_straight_to_dense(inp, cfg):
@@ -536,7 +582,7 @@ def test_bad_tiles_are_rejected_naming_the_field():
 def test_benchmark_specs_parse_tiles_seeds_and_anchors():
     from benchmarks.run import BENCH_SEEDS, parse_tiles, tiles_name
     t, o = parse_tiles("kh:128:4:3:kh:8:4:0:32/8192/64")
-    assert (t.layout, t.BK, t.num_stages, t.screen_bq, t.screen_keys_major, t.screen_bk) == (
+    assert (t.layout, t.BK, t.num_stages, t.screen_bq, t.screen_lane_sums, t.screen_bk) == (
         "kh", 128, 3, 8, False, 32)
     cfg = o.config(2048)
     assert (cfg.seed_size, cfg.anchor_stride, cfg.backend) == (8192, 64, "pallas")

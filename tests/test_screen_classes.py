@@ -40,16 +40,16 @@ def _class_inputs(T=32, N=400, seed=5):
     keep = jnp.arange(R)[None, :] < jnp.asarray(budget)[:, None]
     rows = jnp.where(keep[..., None], q32[:, :R], 0.0)
     row_w = jnp.where(keep, jnp.abs(inp.w[:, :R]), 0.0)
-    agg, _ = screen.split_aggregate_bf16(q32[:, R:R + 1] * 0.3)          # A = 2 rows
-    plan = types.SimpleNamespace(rows=rows, row_weights=row_w,
-                                 aggregate_linear=jnp.asarray(rng.random(T) < 0.3))
+    cols, cw, _ = screen.aggregate_columns(q32[:, R:R + 1] * 0.3, jnp.zeros((T,), bool),
+                                           split=True, absolute=False)      # A = 2 columns
+    plan = types.SimpleNamespace(rows=rows, row_weights=row_w)
     coef = jnp.full((T,), 0.05, jnp.float32)
     eps = jnp.full((T,), 1e-30, jnp.float32)
     tau = jnp.asarray(rng.uniform(-0.5, 1.0, T), jnp.float32)
     prune = jnp.asarray(rng.random(T) < 0.9)
     lo = inp.lo.at[13].set(inp.hi[13])             # a query that skips the screen
     ops = dense.prepare_operands(inp.q, inp.w, inp.k, inp.k_scale, 4)
-    return inp, plan, jnp.asarray(budget), agg, coef, eps, tau, prune, lo, ops
+    return inp, plan, jnp.asarray(budget), (cols, cw), coef, eps, tau, prune, lo, ops
 
 
 @pytest.mark.parametrize("tiles", [TILES_KC, TILES], ids=["kc", "hk"])
@@ -58,11 +58,11 @@ def test_budget_classes_screen_matches_twin_and_one_kernel(tiles):
     T, N = budget.shape[0], inp.k.shape[0]
     knorm = key_norm_upper(inp.k)
     kw = dict(splits=2, capacity=512, single_piece=True, tiles=tiles)
-    args = (agg, coef, eps, tau, prune, lo, inp.hi, ops, knorm)
+    args = (*agg, coef, eps, tau, prune, lo, inp.hi, ops, knorm)
     surv = pipeline.screen_by_budget(plan, budget, (2, 6), *args, **kw)
     one = pipeline.screen_by_budget(plan, budget, (6,), *args, **kw)   # one kernel, all rows
-    U = screen.screening_bound_reference(plan.rows, plan.row_weights, agg, plan.aggregate_linear,
-                                         coef, eps, ops.k, knorm, ops.scale, single_piece=True)
+    U = screen.screening_bound_reference(plan.rows, plan.row_weights, *agg, coef, eps, ops.k,
+                                         knorm, ops.scale, single_piece=True)
     m = np.asarray(screen.survivors_reference(U, tau, prune, lo, inp.hi))
     near = np.abs(np.asarray(U) - np.asarray(tau)[:, None]) <= 1e-5 * (1 + np.abs(np.asarray(U)))
     got = unpack_survivors(surv.packed, surv.count, T, N)
@@ -104,14 +104,13 @@ def test_budget_between_classes_goes_to_the_next_class():
     knorm = key_norm_upper(inp.k)
     keep = jnp.arange(6)[None, :] < jnp.where(budget == 6, 4, budget)[:, None]
     plan = types.SimpleNamespace(rows=jnp.where(keep[..., None], plan.rows, 0.0),
-                                 row_weights=jnp.where(keep, plan.row_weights, 0.0),
-                                 aggregate_linear=plan.aggregate_linear)
+                                 row_weights=jnp.where(keep, plan.row_weights, 0.0))
     budget = jnp.where(budget == 6, 4, budget)
-    surv = pipeline.screen_by_budget(plan, budget, (2, 6), agg, coef, eps, tau, prune, lo,
+    surv = pipeline.screen_by_budget(plan, budget, (2, 6), *agg, coef, eps, tau, prune, lo,
                                      inp.hi, ops, knorm, splits=2, capacity=512,
                                      single_piece=True, tiles=TILES_KC)
-    U = screen.screening_bound_reference(plan.rows, plan.row_weights, agg, plan.aggregate_linear,
-                                         coef, eps, ops.k, knorm, ops.scale, single_piece=True)
+    U = screen.screening_bound_reference(plan.rows, plan.row_weights, *agg, coef, eps, ops.k,
+                                         knorm, ops.scale, single_piece=True)
     m = np.asarray(screen.survivors_reference(U, tau, prune, lo, inp.hi))
     near = np.abs(np.asarray(U) - np.asarray(tau)[:, None]) <= 1e-5 * (1 + np.abs(np.asarray(U)))
     got = unpack_survivors(surv.packed, surv.count, T, N)

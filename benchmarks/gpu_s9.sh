@@ -1,0 +1,29 @@
+#!/bin/bash
+# Session 9 device calls (issue 4). Each call's outputs are tarred into $OUT/s9_<CALL>.tgz (the
+# device tool returns at most 8 files) and summarised on stdout.
+#   CALL=ab: the new screen's kernel tests and the jit round trips compiled for the GPU, then the
+#     A/B at T=4096, N=1M on the trained indexer (benchmarks/gpu_s7.sh's ablation mode): the
+#     kernels exported in each AB_OLD directory (OLD_SPECS, OLD_RUNS) and this tree's
+#     (DOSA_SPECS, RUNS), in the same call;
+#   CALL=final: gpu_s7.sh FINAL (XLA / dense / DoSA at SHAPES, exact_topk, the peak, then the
+#     GPU kernel tests and the budget-class, record-buffer and jit round-trip tests).
+# Usage (device tool): CALL=ab AB_OLD=ab_s8 DOSA_SPECS=... RUNS=... bash benchmarks/gpu_s9.sh
+set -o pipefail
+root=$OUT
+W=$(mktemp -d)
+export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda
+case "${CALL:-ab}" in
+  ab)
+    timeout ${SCREEN_TEST_TIMEOUT:-150} python -m pytest -o addopts="" -q \
+      tests/test_pallas_kernels.py::test_screen_matches_twin tests/test_screen_classes.py \
+      tests/test_enclosure.py::test_rounding_round_trips_survive_jit -p no:cacheprovider \
+      > $W/tests_screen.txt 2>&1
+    echo "screen tests exit $?"; tail -3 $W/tests_screen.txt
+    mkdir -p $W/ab
+    OUT=$W/ab NO_TESTS=1 bash benchmarks/gpu_s7.sh ;;
+  final)
+    mkdir -p $W/final
+    OUT=$W/final FINAL=1 bash benchmarks/gpu_s7.sh ;;
+esac
+tar -czf $root/s9_${CALL:-ab}.tgz -C $W .
+ls -la $W/* | tail -20
