@@ -3,9 +3,10 @@
 Data flows one way (STYLE.md): operands → (anchors: dense kernel) → seeds
 (:mod:`pallas_kernels.seeds`: seed-scoring kernel, K-th search, τ) → plan
 (``dosa_jax.planner.build_plan``, query side) → screen kernels, one per budget
-class (U < τ rejects; :func:`screen_by_budget`)
-→ refine kernel (s ≥ τ records, online threshold) → recovery of overflowed
-groups (dense kernel with θ₀ = τ) → exact selection of the records.
+class (U < τ rejects; survival bytes per group of 4 and key; :func:`screen_by_budget`)
+→ compaction of the bytes into survivor lists → refine kernel (s ≥ τ records, online
+threshold) → recovery of overflowed groups (dense kernel with θ₀ = τ) → exact selection
+of the records.
 
 Exactness: a key leaves only by ``U_kernel < τ`` (screening, where
 ``U_kernel ≥ s_kernel`` by the plan plus :mod:`pallas_kernels.numerics`) or
