@@ -48,7 +48,10 @@ class Tiles(NamedTuple):
     queries evaluated keys-major, FP8 keys widened to bf16 before the kernels. At T=16K, N=1M
     DoSA took 1280 ms with session 3's ``kh``/128 tiles, 927 ms with session 4's, 661 ms with
     these; 8-query screens, 32- and 128-key screen tiles, 8 screen warps, 2 pipeline stages and
-    prefetching the next tile's per-key operands were slower.
+    prefetching the next tile's per-key operands were slower. Session 9 put each query's columns
+    in one thread (``lane_sums``, ``screen_lane_sums``; T=4096, N=1M: DoSA 124 -> 71 ms, seeded
+    dense 128 -> 97 ms) and measured again, slower than the defaults: 2 pipeline stages, 16-query
+    screens with 8 warps, 128-key screen tiles, 64-key refinement tiles, 128-key dense tiles.
     """
 
     BQ: int = 4          # queries per program (refinement group size, paper Sec. 3)
@@ -70,7 +73,7 @@ class Tiles(NamedTuple):
     screen_bq: int = 8
     screen_warps: int = 4
     # "kc" screen: each query's columns in the lanes of one thread (in-thread column sums, no
-    # shuffles; screen.lane_aligned_order), else query-major columns (session 8's order)
+    # shuffles; common.lane_aligned_order), else query-major columns (session 8's order)
     screen_lane_sums: bool = True
     screen_bk: int = 0       # keys per screening tile (0: BK)
     # keys per refinement tile ("kc" layout only; 0: BK). 128 measured fastest on the H200

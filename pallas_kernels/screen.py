@@ -234,13 +234,18 @@ def bound_tile(r_pieces, row_w, k_pieces, knorm, scale, coef, eps, *, BQs: int, 
     elif layout == "kc":
         y = keys_rows_dot(k_pieces, r_pieces, pairs)                  # [BK, BQs*Rp]
         pos = column_sums(jnp.maximum(y, 0.0) * row_w[None, :], BQs, Rp, lane_sums)
-        v = (pos + (knorm[:, None, None] * coef[None] + eps[None])) * scale[:, None, None]
-        return v + jnp.abs(v) * UP_NUDGE + UP_FLOOR
+        return _nudged_bound(pos, knorm[:, None, None], coef[None], eps[None],
+                             scale[:, None, None])
     else:
         y = rows_keys_dot(r_pieces, k_pieces, pairs)                  # [BQs*Rp, BK]
         bk = y.shape[-1]
         pos = jnp.sum((jnp.maximum(y, 0.0) * row_w[:, None]).reshape(BQs, Rp, bk), axis=1)
-    v = (pos + (knorm[None, :] * coef[:, None] + eps[:, None])) * scale[None, :]
+    return _nudged_bound(pos, knorm[None, :], coef[:, None], eps[:, None], scale[None, :])
+
+
+def _nudged_bound(pos, knorm, coef, eps, scale):
+    """U = α (Û + n·coef + ε), nudged up by |U|·2^-21 + 2^-126 (Eq. 26; operands broadcast)."""
+    v = (pos + (knorm * coef + eps)) * scale
     return v + jnp.abs(v) * UP_NUDGE + UP_FLOOR
 
 
@@ -466,8 +471,7 @@ def screening_bound_reference(rows, row_w, agg_cols, agg_w, coef, eps, k_pieces,
                        precision=lax.Precision.HIGHEST)
         y = d if y is None else y + d
     pos = jnp.sum(jnp.maximum(y, 0.0) * allw[:, None, :], axis=-1)
-    v = (pos + (knorm[None, :] * coef[:, None] + eps[:, None])) * scale[None, :]
-    return v + jnp.abs(v) * UP_NUDGE + UP_FLOOR
+    return _nudged_bound(pos, knorm[None, :], coef[:, None], eps[:, None], scale[None, :])
 
 
 def survivors_reference(U: Array, tau: Array, prune: Array, lo: Array, hi: Array) -> Array:
