@@ -238,7 +238,7 @@ class DosaOptions(NamedTuple):
 
 
 def parse_tiles(spec):
-    """``layout:BK:warps:stages[:screen_layout:screen_bq:screen_warps[:lane_sums[:screen_bk``
+    """``layout:BK:warps:stages[:screen_layout:screen_bq:screen_warps[:screen_lane_sums[:screen_bk``
     ``[:widen_fp8[:refine_bk[:CH[:record_slots[:lane_sums]]]]]]]]``[/seeds[/anchor_stride[/budget]]]``
     -> (Tiles, DosaOptions).
 
