@@ -50,8 +50,9 @@ class Tiles(NamedTuple):
     these; 8-query screens, 32- and 128-key screen tiles, 8 screen warps, 2 pipeline stages and
     prefetching the next tile's per-key operands were slower. Session 9 put each query's columns
     in one thread (``lane_sums``, ``screen_lane_sums``; T=4096, N=1M: DoSA 124 -> 71 ms, seeded
-    dense 128 -> 97 ms) and measured again, slower than the defaults: 2 pipeline stages, 16-query
-    screens with 8 warps, 128-key screen tiles, 64-key refinement tiles, 128-key dense tiles.
+    dense 128 -> 97 ms) and measured again, slower than the defaults: 2 pipeline stages, 8-warp
+    screens (8 or 16 queries, 64- or 128-key tiles), 128-key screen tiles, 64-key refinement
+    tiles, 128-key dense tiles.
     """
 
     BQ: int = 4          # queries per program (refinement group size, paper Sec. 3)
