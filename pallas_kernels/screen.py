@@ -446,17 +446,6 @@ def compact_masks(masks: Array, lo, hi, *, splits: int, capacity: int, chunk: in
                          interpret=interpret)
 
 
-def screen(sops: ScreenOperands, lo, hi, k_pieces, knorm, scale, *, splits: int, capacity: int,
-           BK: int = 64, num_warps: int = 4, num_stages: int = 2, interpret=None) -> Survivors:
-    """:func:`screen_masks`, then :func:`compact_masks` into survivor lists."""
-    masks, per_query = screen_masks(sops, lo, hi, k_pieces, knorm, scale, splits=splits, BK=BK,
-                                    num_warps=num_warps, num_stages=num_stages,
-                                    interpret=interpret)
-    packed, count = compact_masks(masks, lo, hi, splits=splits, capacity=capacity,
-                                  interpret=interpret)
-    return Survivors(packed, count, per_query[:lo.shape[0]])
-
-
 def screening_bound_reference(rows, row_w, agg_cols, agg_w, coef, eps, k_pieces, knorm, scale,
                               single_piece: bool = False) -> Array:
     """jnp twin of :func:`bound_tile` on full arrays: U [T, N] with the same operand pieces."""
