@@ -203,6 +203,15 @@ def _warn_once(msg: str):  # pragma: no cover - diagnostics only
     warnings.warn(msg)
 
 
+def group_range(lo, hi):
+    """Union [klo, khi) of the non-empty ranges of a program's queries, inside a kernel
+    (klo = 2^31 − 1, khi = 0 when all are empty: no tiles)."""
+    nonempty = hi > lo
+    klo = jnp.min(jnp.where(nonempty, lo, jnp.int32(2 ** 31 - 1)))
+    khi = jnp.max(jnp.where(nonempty, hi, 0))
+    return klo, khi
+
+
 def split_key_tiles(klo, khi, BK: int, S: int, s):
     """Key tiles [start, stop) of split ``s`` of ``S`` covering keys [klo, khi) in tiles of BK."""
     tile0 = klo // BK

@@ -27,9 +27,10 @@ from jax.experimental import pallas as pl
 
 from dosa_jax.selection import INT32_MIN, order_key, select_by_position
 from pallas_kernels import records as rec
-from pallas_kernels.common import (THETA_NONE, compiler_params, in_lane_order, interpret_default,
-                                   kernel_order_key, lane_sums_apply, mma_pieces, next_pow2,
-                                   pad_axis, piece_pairs, round_up, split_key_tiles)
+from pallas_kernels.common import (THETA_NONE, compiler_params, group_range, in_lane_order,
+                                   interpret_default, kernel_order_key, lane_sums_apply,
+                                   mma_pieces, next_pow2, pad_axis, piece_pairs, round_up,
+                                   split_key_tiles)
 from pallas_kernels.scoring import load_query_tile, score_reference, score_tile
 
 Array = jax.Array
@@ -188,14 +189,6 @@ def prepare_operands(q, w, k, k_scale, BQ: int, mma_dtype=jnp.bfloat16,
                     lane_sums=lane_sums)
 
 
-def _group_range(lo, hi):
-    """Union [klo, khi) of the non-empty ranges of a query group."""
-    nonempty = hi > lo
-    klo = jnp.min(jnp.where(nonempty, lo, jnp.int32(2 ** 31 - 1)))
-    khi = jnp.max(jnp.where(nonempty, hi, 0))
-    return klo, khi
-
-
 def _dense_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, H: int, N: int, S: int, C: int, K: int,
                   pairs, fp8_mma: bool, lane_sums: bool, interpret: bool):
     q_refs, (w_ref, lo_ref, hi_ref, th_ref), k_refs, (sc_ref,), outs = (
@@ -213,7 +206,7 @@ def _dense_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, H: int, N: int, S: int,
     t_ids = g * BQ + jnp.arange(BQ, dtype=jnp.int32)
     base = (t_ids * S + s) * C
 
-    klo, khi = _group_range(lo, hi)
+    klo, khi = group_range(lo, hi)
     start, stop = split_key_tiles(klo, khi, BK, S, s)
     lanes = jnp.arange(BK, dtype=jnp.int32)
 

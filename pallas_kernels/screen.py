@@ -66,7 +66,7 @@ from jax.experimental import pallas as pl
 
 from dosa_jax import numerics as nm
 from pallas_kernels import records as rec
-from pallas_kernels.common import (GROUP, ID_BITS, column_sums, compiler_params,
+from pallas_kernels.common import (GROUP, ID_BITS, column_sums, compiler_params, group_range,
                                    in_lane_order, interpret_default, keys_rows_dot,
                                    lane_sums_apply, next_pow2,
                                    pad_axis, piece_pairs, round_up, row_pieces, rows_keys_dot,
@@ -272,9 +272,7 @@ def _screen_kernel(*refs, Pr: int, Pk: int, BQs: int, Rp: int, BK: int, N: int, 
     qsl = pl.ds(g * BQs, BQs)
     coef, eps, tau = coef_ref[qsl], eps_ref[qsl], tau_ref[qsl]
     lo, hi = lo_ref[qsl], hi_ref[qsl]
-    nonempty = hi > lo
-    klo = jnp.min(jnp.where(nonempty, lo, jnp.int32(2 ** 31 - 1)))
-    khi = jnp.max(jnp.where(nonempty, hi, 0))
+    klo, khi = group_range(lo, hi)
     start, stop = split_key_tiles(klo, khi, BK, S, s)
     lanes = jnp.arange(BK, dtype=jnp.int32)
     groups = g * G + jnp.arange(G, dtype=jnp.int32)
@@ -388,9 +386,7 @@ def _compact_kernel(mk_ref, lo_ref, hi_ref, sv_ref, cnt_ref, *, N: int, S: int, 
     size = sv_ref.shape[0]
     lo = lo_ref[pl.ds(g * GROUP, GROUP)]
     hi = hi_ref[pl.ds(g * GROUP, GROUP)]
-    nonempty = hi > lo
-    klo = jnp.min(jnp.where(nonempty, lo, jnp.int32(2 ** 31 - 1)))
-    khi = jnp.max(jnp.where(nonempty, hi, 0))
+    klo, khi = group_range(lo, hi)
     start, stop = split_key_tiles(klo, khi, CH, S, s)
     lanes = jnp.arange(CH, dtype=jnp.int32)
     base = (g * S + s) * Cs
