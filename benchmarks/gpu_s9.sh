@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 9 device calls (issue 4). Each call's outputs are tarred into $OUT/s9_<CALL>.tgz (the
+# Session 9-10 device calls (issue 4). Each call's outputs are tarred into $OUT/${TAG:-s9}_<CALL>.tgz (the
 # device tool returns at most 8 files) and summarised on stdout.
 #   CALL=ab: the new screen's kernel tests and the jit round trips compiled for the GPU, then the
 #     A/B at T=4096, N=1M on the trained indexer (benchmarks/gpu_s7.sh's ablation mode): the
@@ -25,5 +25,5 @@ case "${CALL:-ab}" in
     mkdir -p $W/final
     OUT=$W/final FINAL=1 bash benchmarks/gpu_s7.sh ;;
 esac
-tar -czf $root/s9_${CALL:-ab}.tgz -C $W .
+tar -czf $root/${TAG:-s9}_${CALL:-ab}.tgz -C $W .
 ls -la $W/* | tail -20

@@ -141,8 +141,10 @@ def main(argv=None):
     from benchmarks.run import parse_tiles
     tiles, _ = parse_tiles(a.tiles)
     for p in paths:
-        nw = tiles.screen_warps if "screen" in p else tiles.num_warps
-        print(compile_kernel(p, nw, tiles.num_stages), flush=True)
+        scr = "dosa_screen" in p
+        nw = tiles.screen_warps if scr else tiles.num_warps
+        ns = (tiles.screen_stages or tiles.num_stages) if scr else tiles.num_stages
+        print(compile_kernel(p, nw, ns), flush=True)
 
 
 if __name__ == "__main__":

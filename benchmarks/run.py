@@ -240,7 +240,8 @@ class DosaOptions(NamedTuple):
 def parse_tiles(spec):
     """``layout:BK:warps:stages[:screen_layout:screen_bq:screen_warps[:screen_lane_sums[:screen_bk``
     ``[:widen_fp8[:refine_bk[:CH[:record_slots[:lane_sums]]]]]]]]``[/seeds[/anchor_stride[/budget]]]``
-    -> (Tiles, DosaOptions).
+    -> (Tiles, DosaOptions). Or ``field=value+field=value...`` (any ``Tiles`` fields, on the
+    defaults; booleans as 0/1) before the ``/``.
 
     E.g. ``kh:128:4:3:kh:8:4/8192``, ``/8192/64`` (default tiles, 8192 seeds, anchors every
     64 queries), ``/8192/0/6`` (retained-head budget r = 6 for every query); BQ is 4 (the
@@ -254,6 +255,16 @@ def parse_tiles(spec):
                         int(budget) if budget else 0)
     if not spec:
         return dense_mod.Tiles(), seeds
+    if "=" in spec:   # field=value+field=value... on the default tiles
+        t = dense_mod.Tiles()
+        for item in spec.split("+"):
+            key, _, val = item.partition("=")
+            if key not in t._fields:
+                raise ValueError(f"tiles spec: unknown Tiles field {key!r} in {spec!r}")
+            cur = getattr(t, key)
+            t = t._replace(**{key: bool(int(val)) if isinstance(cur, bool) else
+                              type(cur)(val)})
+        return t, seeds
     f = spec.split(":")
     t = dense_mod.Tiles(BQ=4, BK=int(f[1]), num_warps=int(f[2]), num_stages=int(f[3]), layout=f[0],
                         refine_bk=dense_mod.Tiles().refine_bk if f[0] == "kc" else 0)
@@ -284,6 +295,12 @@ def tiles_name(t, seeds=None):
     while tail and tail[-1] == (256, 0, 1)[len(tail) - 1]:
         tail.pop()
     name = ":".join(str(x) for x in f + tail)
+    from pallas_kernels import dense as dense_mod
+    d = dense_mod.Tiles()
+    if any(getattr(t, k) != getattr(d, k) for k in ("screen_stages", "screen_defer")):
+        # fields past the positional spec: the field=value form (every non-default field)
+        name = "+".join(f"{k}={int(v) if isinstance(v, bool) else v}"
+                        for k, v in t._asdict().items() if v != getattr(d, k))
     return name if seeds is None else f"{name}/{seeds}"
 
 

@@ -93,6 +93,12 @@ class Tiles(NamedTuple):
     # "kc" scoring tiles: the queries' head rows in common.lane_aligned_order, so that each
     # query's head sum runs inside one thread (no shuffles); scores keep one fixed order
     lane_sums: bool = True
+    # screen pipeline stages (0: num_stages); 2 stages leave shared memory for 3 screen
+    # programs per SM
+    screen_stages: int = 0
+    # "kc" screen software-pipelined by hand: tile j's MMA is issued before tile j-1's
+    # epilogue (the wgmma wait deferred past it), one more accumulator in registers
+    screen_defer: bool = False
 
 
 #: MMA layouts of the scoring and screening tiles (:func:`pallas_kernels.scoring.score_tile`).

@@ -274,7 +274,8 @@ def screen_by_budget(plan, budget, classes, agg_cols, agg_w, coef, eps, tau, pru
                               lane_sums=tiles.screen_lane_sums)
 
     kw = dict(splits=splits, BK=tiles.screen_bk or tiles.BK, num_warps=tiles.screen_warps,
-              num_stages=tiles.num_stages, interpret=interpret)
+              num_stages=tiles.screen_stages or tiles.num_stages, interpret=interpret,
+              defer=tiles.screen_defer)
     run = lambda sops, l, h, into=None: screen_masks(sops, l, h, ops.k, knorm, ops.scale,
                                                      masks_into=into, **kw)
     if len(classes) == 1:

@@ -77,6 +77,9 @@ Array = jax.Array
 UP_NUDGE = 2.0 ** -21
 #: Absolute upward floor after scaling (underflow of α·v).
 UP_FLOOR = 2.0 ** -126
+#: Widest "kc" screen tile (BQs·Rp columns) that ``defer`` pipelines: a second [BK, 256]
+#: accumulator spills (255 registers, 1.9 KB of spills at 8 x 32 columns; standalone Triton 3.6)
+DEFER_COLUMNS = 128
 #: Keys per iteration of the compaction kernel.
 COMPACT_CHUNK = 1024
 
@@ -233,14 +236,19 @@ def bound_tile(r_pieces, row_w, k_pieces, knorm, scale, coef, eps, *, BQs: int, 
             pos = jnp.where(qi == i, jnp.broadcast_to(pi[None, :], (BQs, bk)), pos)
     elif layout == "kc":
         y = keys_rows_dot(k_pieces, r_pieces, pairs)                  # [BK, BQs*Rp]
-        pos = column_sums(jnp.maximum(y, 0.0) * row_w[None, :], BQs, Rp, lane_sums)
-        return _nudged_bound(pos, knorm[:, None, None], coef[None], eps[None],
-                             scale[:, None, None])
+        return _kc_bound(y, row_w, knorm, scale, coef, eps, BQs=BQs, Rp=Rp,
+                         lane_sums=lane_sums)
     else:
         y = rows_keys_dot(r_pieces, k_pieces, pairs)                  # [BQs*Rp, BK]
         bk = y.shape[-1]
         pos = jnp.sum((jnp.maximum(y, 0.0) * row_w[:, None]).reshape(BQs, Rp, bk), axis=1)
     return _nudged_bound(pos, knorm[None, :], coef[:, None], eps[:, None], scale[None, :])
+
+
+def _kc_bound(y, row_w, knorm, scale, coef, eps, *, BQs: int, Rp: int, lane_sums: bool):
+    """U [BK, G, 4] of a ``"kc"`` tile from its column dots y [BK, BQs·Rp]."""
+    pos = column_sums(jnp.maximum(y, 0.0) * row_w[None, :], BQs, Rp, lane_sums)
+    return _nudged_bound(pos, knorm[:, None, None], coef[None], eps[None], scale[:, None, None])
 
 
 def _nudged_bound(pos, knorm, coef, eps, scale):
@@ -250,7 +258,7 @@ def _nudged_bound(pos, knorm, coef, eps, scale):
 
 
 def _screen_kernel(*refs, Pr: int, Pk: int, BQs: int, Rp: int, BK: int, N: int, S: int,
-                   pairs, layout: str, lane_sums: bool):
+                   pairs, layout: str, lane_sums: bool, defer: bool = False):
     r_refs = refs[:Pr]
     (rw_ref, coef_ref, eps_ref, tau_ref, lo_ref, hi_ref) = refs[Pr:Pr + 6]
     k_refs = refs[Pr + 6:Pr + 6 + Pk]
@@ -283,15 +291,18 @@ def _screen_kernel(*refs, Pr: int, Pk: int, BQs: int, Rp: int, BK: int, N: int, 
         lo, hi, qbit = (x.reshape(G, GROUP) for x in (lo, hi, qbit))
     si_shape = (BK, G, GROUP) if kc else (BQs, BK)
 
-    def body(j, qs):
-        ids = j * BK + lanes
-        inb = ids < N
+    def load(j):
+        inb = j * BK + lanes < N
         kp = [rec._plgpu().load(k_ref.at[pl.ds(j * BK, BK), :], mask=inb[:, None])
               for k_ref in k_refs]
         kn = rec._plgpu().load(kn_ref.at[pl.ds(j * BK, BK)], mask=inb, other=0.0)
         sc = rec._plgpu().load(sc_ref.at[pl.ds(j * BK, BK)], mask=inb, other=1.0)
-        U = bound_tile(rp, rw, kp, kn, sc, coef, eps, BQs=BQs, Rp=Rp, pairs=pairs,
-                       layout=layout, lane_sums=lane_sums)
+        return kp, kn, sc
+
+    def finish(j, U, qs, live=True):
+        """Survival bits of tile j from its bound U; ``live`` False: write nothing."""
+        ids = j * BK + lanes
+        inb = (ids < N) & live
         if kc:
             idq = ids[:, None, None]
             surv = (idq >= lo[None]) & (idq < hi[None]) & ~(U < tau[None])
@@ -308,9 +319,34 @@ def _screen_kernel(*refs, Pr: int, Pk: int, BQs: int, Rp: int, BK: int, N: int, 
             ok = jnp.broadcast_to(inb[None, :], idx.shape)
         rec._plgpu().store(mk_ref.at[rec.masked_index(idx, ok, size)], bits.astype(jnp.int8),
                            mask=ok)
-        return qs + si      # per-query counts summed once, after the loop
+        return qs + jnp.where(live, si, 0)   # per-query counts summed once, after the loop
 
-    qs = lax.fori_loop(start, stop, body, jnp.zeros(si_shape, jnp.int32))
+    if defer:
+        # software-pipelined: tile j's MMA is issued before tile j-1's epilogue, so that the
+        # wgmma can run while the previous tile's bound is evaluated (kc layout only)
+        def mma(j):
+            kp, kn, sc = load(j)
+            return keys_rows_dot(kp, rp, pairs), kn, sc
+
+        def body(j, carry):
+            qs, y, kn, sc = carry
+            nxt = mma(j)
+            U = _kc_bound(y, rw, kn, sc, coef, eps, BQs=BQs, Rp=Rp, lane_sums=lane_sums)
+            return (finish(j - 1, U, qs),) + nxt
+
+        y0, kn0, sc0 = mma(jnp.where(stop > start, start, 0))   # (tile 0: in bounds)
+        qs, y, kn, sc = lax.fori_loop(start + 1, stop, body,
+                                      (jnp.zeros(si_shape, jnp.int32), y0, kn0, sc0))
+        U = _kc_bound(y, rw, kn, sc, coef, eps, BQs=BQs, Rp=Rp, lane_sums=lane_sums)
+        qs = finish(stop - 1, U, qs, live=stop > start)
+    else:
+        def body(j, qs):
+            kp, kn, sc = load(j)
+            U = bound_tile(rp, rw, kp, kn, sc, coef, eps, BQs=BQs, Rp=Rp, pairs=pairs,
+                           layout=layout, lane_sums=lane_sums)
+            return finish(j, U, qs)
+
+        qs = lax.fori_loop(start, stop, body, jnp.zeros(si_shape, jnp.int32))
     qidx = g * BQs + jnp.arange(BQs, dtype=jnp.int32)
     if kc:
         qidx = qidx.reshape(G, GROUP)
@@ -326,15 +362,18 @@ class Survivors(NamedTuple):
 
 
 @functools.partial(jax.jit, static_argnames=("BQs", "Rp", "BK", "S", "pairs", "num_warps",
-                                             "num_stages", "interpret", "layout", "lane_sums"),
+                                             "num_stages", "interpret", "layout", "lane_sums",
+                                             "defer"),
                    donate_argnames=("masks_into",))
 def _screen_call(rows, row_w, coef, eps, tau, lo, hi, k, knorm, scale, masks_into=None, *,
-                 BQs, Rp, BK, S, pairs, num_warps, num_stages, interpret, layout, lane_sums):
+                 BQs, Rp, BK, S, pairs, num_warps, num_stages, interpret, layout, lane_sums,
+                 defer=False):
     Tpad = lo.shape[0]
     G4 = Tpad // GROUP
     N = k.shape[1]
     kern = functools.partial(_screen_kernel, Pr=rows.shape[0], Pk=k.shape[0], BQs=BQs, Rp=Rp,
-                             BK=BK, N=N, S=S, pairs=pairs, layout=layout, lane_sums=lane_sums)
+                             BK=BK, N=N, S=S, pairs=pairs, layout=layout, lane_sums=lane_sums,
+                             defer=defer and layout == "kc" and BQs * Rp <= DEFER_COLUMNS)
     args = (*rows, row_w, coef, eps, tau, lo, hi, *k, knorm, scale)
     aliases = {}
     if masks_into is not None:   # write this call's programs into another call's masks
@@ -351,7 +390,7 @@ def _screen_call(rows, row_w, coef, eps, tau, lo, hi, k, knorm, scale, masks_int
 
 def screen_masks(sops: ScreenOperands, lo, hi, k_pieces, knorm, scale, *, splits: int,
                  BK: int = 64, num_warps: int = 4, num_stages: int = 2, interpret=None,
-                 masks_into=None):
+                 masks_into=None, defer: bool = False):
     """Run the screening kernel: survival masks per group of 4 and key.
 
     Args:
@@ -376,7 +415,8 @@ def screen_masks(sops: ScreenOperands, lo, hi, k_pieces, knorm, scale, *, splits
     return _screen_call(sops.rows, sops.row_w, sops.coef, sops.eps, sops.tau, lo, hi, k_pieces,
                         knorm, scale, masks_into, BQs=sops.BQs, Rp=sops.Rp, BK=BK, S=splits,
                         pairs=pairs, num_warps=num_warps, num_stages=num_stages,
-                        interpret=interpret, layout=sops.layout, lane_sums=sops.lane_sums)
+                        interpret=interpret, layout=sops.layout, lane_sums=sops.lane_sums,
+                        defer=defer)
 
 
 def _compact_kernel(mk_ref, lo_ref, hi_ref, sv_ref, cnt_ref, *, N: int, S: int, Cs: int,

@@ -115,17 +115,21 @@ def test_exact_topk_matches_reference_with_ties_nan_and_bad_guess():
     assert int(st["fallback_rows"][4]) == 1
 
 
-@pytest.mark.parametrize("single_piece,layout,bq,lane_sums,absolute",
-                         [(False, "hk", None, False, False), (True, "kh", None, False, True),
-                          (True, "kc", None, True, False), (True, "kc", 8, False, True),
-                          (False, "kc", 8, True, True)],
+@pytest.mark.parametrize("single_piece,layout,bq,lane_sums,absolute,defer",
+                         [(False, "hk", None, False, False, False),
+                          (True, "kh", None, False, True, False),
+                          (True, "kc", None, True, False, False),
+                          (True, "kc", 8, False, True, False),
+                          (False, "kc", 8, True, True, False),
+                          (True, "kc", 4, True, False, True)],
                          ids=["two_pieces_hk", "one_piece_kh_absolute", "one_piece_kc_lanes",
                               "one_piece_kc_bq8_query_major_absolute",
-                              "two_pieces_kc_bq8_lanes_absolute"])
-def test_screen_matches_twin(single_piece, layout, bq, lane_sums, absolute):
+                              "two_pieces_kc_bq8_lanes_absolute", "one_piece_kc_lanes_deferred"])
+def test_screen_matches_twin(single_piece, layout, bq, lane_sums, absolute, defer):
     """The screen kernel's survival masks and the compaction's lists against the twins on every
     (query, key): the bound (retained heads, the aggregate as ReLU columns in both forms, the
-    kernel's lane-aligned column order or not), the strict rejection, prune off, empty ranges."""
+    kernel's lane-aligned column order or not, the software-pipelined loop), the strict
+    rejection, prune off, empty ranges (a whole program of them with 4 queries each)."""
     inp = synthetic.structured(T=8, N=500, H=4, D=32, seed=2, key_dtype="float8_e4m3fn",
                                query_dtype="bfloat16")
     T = 8
@@ -156,6 +160,9 @@ def test_screen_matches_twin(single_piece, layout, bq, lane_sums, absolute):
     tau = jnp.asarray(rng.uniform(-0.5, 1.0, T), jnp.float32)
     prune = jnp.asarray([True] * 7 + [False])
     lo = inp.lo.at[2].set(inp.hi[2])                      # an empty range
+    if bq == 4:   # a program (queries 4-7) of empty ranges and ranges inside one key tile: its
+        lo = lo.at[4:6].set(inp.hi[4:6])     # second split has no tiles
+        lo = lo.at[6:8].set(496)              # (tile 31 of 16 keys: hi = 499, 500)
     ops = dense.prepare_operands(inp.q, inp.w, inp.k, inp.k_scale, 4)
     from dosa_jax.enclosure import key_norm_upper
     knorm = key_norm_upper(inp.k)
@@ -168,7 +175,7 @@ def test_screen_matches_twin(single_piece, layout, bq, lane_sums, absolute):
     assert sops.rows.shape[0] == (1 if single_piece else 2)
     assert sops.lane_sums == (lane_sums and layout == "kc")
     masks, per_query = screen.screen_masks(sops, lo, inp.hi, ops.k, knorm, ops.scale, splits=2,
-                                           BK=16)
+                                           BK=16, defer=defer)
     packed, count = screen.compact_masks(masks, lo, inp.hi, splits=2, capacity=512, chunk=64)
     U = screen.screening_bound_reference(rows, row_w, cols, cw, coef, eps, ops.k, knorm,
                                          ops.scale, single_piece=single_piece)
@@ -177,7 +184,7 @@ def test_screen_matches_twin(single_piece, layout, bq, lane_sums, absolute):
     near = np.abs(np.asarray(U) - np.asarray(tau)[:, None]) <= 1e-5 * (1 + np.abs(np.asarray(U)))
     assert np.all((got == m) | near)
     assert np.array_equal(np.asarray(per_query)[:T].sum(1), got.sum(1))
-    assert got[7].sum() == int(inp.hi[7] - inp.lo[7])          # prune off: everything survives
+    assert got[7].sum() == int(inp.hi[7] - lo[7])              # prune off: everything survives
     assert got[2].sum() == 0 and 0 < got.sum() < m.size       # empty range; pruned and kept
     # the compaction kernel against its twin, entry by entry, with a list too short (overflow:
     # the count keeps the true number, the stored entries are the first ones)
@@ -590,6 +597,11 @@ def test_benchmark_specs_parse_tiles_seeds_and_anchors():
     t, _ = parse_tiles("kc:64:4:3:kc:4:4:1:0:0:64")
     assert (t.widen_fp8, t.refine_bk) == (False, 64)
     assert parse_tiles(tiles_name(t))[0] == t
+    t, _ = parse_tiles("screen_defer=1+screen_stages=2+BK=128")
+    assert t == dense.Tiles()._replace(screen_defer=True, screen_stages=2, BK=128)
+    assert parse_tiles(tiles_name(t))[0] == t
+    with pytest.raises(ValueError, match="screen_defr"):
+        parse_tiles("screen_defr=1")
     t, o = parse_tiles("")
     assert t == dense.Tiles() and (o.seeds, o.anchor) == (BENCH_SEEDS, 0)
     assert parse_tiles("/4096")[1].config(8).anchors(4096) == 0

@@ -52,7 +52,8 @@ def _class_inputs(T=32, N=400, seed=5):
     return inp, plan, jnp.asarray(budget), (cols, cw), coef, eps, tau, prune, lo, ops
 
 
-@pytest.mark.parametrize("tiles", [TILES_KC, TILES], ids=["kc", "hk"])
+@pytest.mark.parametrize("tiles", [TILES_KC, TILES, TILES_KC._replace(screen_defer=True)],
+                         ids=["kc", "hk", "kc_deferred"])
 def test_budget_classes_screen_matches_twin_and_one_kernel(tiles):
     inp, plan, budget, agg, coef, eps, tau, prune, lo, ops = _class_inputs()
     T, N = budget.shape[0], inp.k.shape[0]
