@@ -28,6 +28,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def _time(fn, *args, iters=7):
@@ -126,14 +127,19 @@ def main(argv=None):
     for spec in filter(None, a.dosa.split(",")):
         t, opts = parse_tiles(spec)
         c = opts.config(shape.K)
-        fd = jax.jit(lambda *x, t=t, c=c: pipeline.dosa_topk(*x, c, tiles=t)[:2])
+        fd = jax.jit(lambda *x, t=t, c=c: pipeline.dosa_topk(*x, c, tiles=t))   # (idx, sc, stats)
         fe = jax.jit(lambda *x, t=t, c=c: pipeline.dense_topk(*x, c, tiles=t, seeded=False))
         fs = jax.jit(lambda *x, t=t, c=c: pipeline.dense_topk(*x, c, tiles=t, seeded=True))
         try:
-            (di, ds), (ei, es), (si, ss) = fd(*args), fe(*args), fs(*args)
+            (di, ds, st), (ei, es), (si, ss) = fd(*args), fe(*args), fs(*args)
+            vis = jnp.maximum(st.visible, 1).astype(jnp.float32)
+            rs, nr = np.unique(np.asarray(st.budget), return_counts=True)
             print(json.dumps(dict(name=f"check@{spec}", indices_equal=bool(jnp.all(di == ei)),
                                   scores_equal=bool(jnp.all(ds == es)),
-                                  seeded_dense_equal=bool(jnp.all(si == ei) & jnp.all(ss == es)))),
+                                  seeded_dense_equal=bool(jnp.all(si == ei) & jnp.all(ss == es)),
+                                  survival=float(jnp.mean(st.survivors / vis)),
+                                  recoveries=int(jnp.sum(st.recoveries)),
+                                  budgets={int(r_): int(n_) for r_, n_ in zip(rs, nr)})),
                   flush=True)
         except Exception as e:  # noqa: BLE001
             print(json.dumps(dict(name=f"check@{spec}", error=repr(e)[:400])), flush=True)

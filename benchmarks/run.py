@@ -225,13 +225,17 @@ class DosaOptions(NamedTuple):
     seeds: int = BENCH_SEEDS
     anchor: int = 0
     budget: int = 0
+    survivor_cost: float = 0.0   # 0: the backend's default
 
     def config(self, K: int):
         from dosa_jax.config import Config
         return Config(top_k=K, backend="pallas", seed_size=self.seeds, anchor_stride=self.anchor,
-                      retained_heads=self.budget or "auto")
+                      retained_heads=self.budget or "auto",
+                      survivor_cost=self.survivor_cost or None)
 
     def __str__(self):
+        if self.survivor_cost:
+            return f"{self.seeds}/{self.anchor}/{self.budget}/{self.survivor_cost:g}"
         if self.budget:
             return f"{self.seeds}/{self.anchor}/{self.budget}"
         return f"{self.seeds}/{self.anchor}" if self.anchor else str(self.seeds)
@@ -239,7 +243,8 @@ class DosaOptions(NamedTuple):
 
 def parse_tiles(spec):
     """``layout:BK:warps:stages[:screen_layout:screen_bq:screen_warps[:screen_lane_sums[:screen_bk``
-    ``[:widen_fp8[:refine_bk[:CH[:record_slots[:lane_sums]]]]]]]]``[/seeds[/anchor_stride[/budget]]]``
+    ``[:widen_fp8[:refine_bk[:CH[:record_slots[:lane_sums]]]]]]]]``[/seeds[/anchor_stride[/budget``
+    ``[/survivor_cost]]]]``
     -> (Tiles, DosaOptions). Or ``field=value+field=value...`` (any ``Tiles`` fields, on the
     defaults; booleans as 0/1) before the ``/``.
 
@@ -251,8 +256,9 @@ def parse_tiles(spec):
     spec, _, opts = spec.partition("/")
     seeds, _, anchor = opts.partition("/")
     anchor, _, budget = anchor.partition("/")
+    budget, _, kappa = budget.partition("/")
     seeds = DosaOptions(int(seeds) if seeds else BENCH_SEEDS, int(anchor) if anchor else 0,
-                        int(budget) if budget else 0)
+                        int(budget) if budget else 0, float(kappa) if kappa else 0.0)
     if not spec:
         return dense_mod.Tiles(), seeds
     if "=" in spec:   # field=value+field=value... on the default tiles
@@ -297,7 +303,10 @@ def tiles_name(t, seeds=None):
     name = ":".join(str(x) for x in f + tail)
     from pallas_kernels import dense as dense_mod
     d = dense_mod.Tiles()
-    if any(getattr(t, k) != getattr(d, k) for k in ("screen_stages", "screen_defer")):
+    positional = ("BQ", "layout", "BK", "num_warps", "num_stages", "screen_layout", "screen_bq",
+                  "screen_warps", "screen_lane_sums", "screen_bk", "widen_fp8", "refine_bk", "CH",
+                  "record_slots", "lane_sums")
+    if any(getattr(t, k) != getattr(d, k) for k in t._fields if k not in positional):
         # fields past the positional spec: the field=value form (every non-default field)
         name = "+".join(f"{k}={int(v) if isinstance(v, bool) else v}"
                         for k, v in t._asdict().items() if v != getattr(d, k))

@@ -43,6 +43,13 @@ def estimated_survival(head_dots, key_norm, valid, tau, details):
     return jnp.sum(valid & ~(U < tau)) / n
 
 
-def estimated_cost(head_dots, key_norm, valid, tau, details, r: int, d_a: int, H: int):
-    """(r + d_a)/H + m̂ for one candidate budget (the r-dependent part of Eq. 21)."""
-    return (r + d_a) / H + estimated_survival(head_dots, key_norm, valid, tau, details)
+def estimated_cost(head_dots, key_norm, valid, tau, details, r: int, d_a: int, H: int,
+                   survivor_weight: float = 1.0):
+    """(r + d_a)/H + κ·m̂ for one candidate budget (the r-dependent part of Eq. 21).
+
+    κ = ``survivor_weight`` prices a survivor's rescoring against the screen's dot
+    products: 1 counts dot products (Eq. 21); a backend whose rescoring costs more per
+    dot product than its screen (gathers, a group's union of survivors) measures its own.
+    """
+    return (r + d_a) / H + survivor_weight * estimated_survival(head_dots, key_norm, valid, tau,
+                                                                details)

@@ -41,6 +41,11 @@ class Config:
       sink_size: sinks in the ``union`` strategy.
       local_fraction: share of the ``union`` seeds taken from the local window
         (0.75: with S = 2K the local window alone holds ≥ K keys).
+      survivor_cost: κ, the weight of the survival fraction in the ``"auto"`` budget's
+        cost (r + d_a)/H + κ·m (Eq. 21 has κ = 1: dot products counted); None → the
+        backend's measured value (reference 1; pallas
+        ``pallas_kernels.pipeline.SURVIVOR_COST``, whose budget is also shared by each
+        screening program's queries).
       budget_sample: strided keys per query scored for the ``"auto"`` budget's
         survival estimate and the activation frequencies p_h (seeds are biased).
       guided_witnesses: if > 0, that many extra witnesses for τ: the keys with the
@@ -80,6 +85,7 @@ class Config:
     sink_size: int = 64
     local_fraction: float = 0.75
     budget_sample: int = 256
+    survivor_cost: Optional[float] = None
     guided_witnesses: int = 0
     guided_sample: int = 8192
     anchor_stride: int = 0
@@ -120,6 +126,10 @@ class Config:
             bad("seed_size", "must be None or an int >= 1")
         if not isinstance(self.budget_sample, int) or self.budget_sample < 1:
             bad("budget_sample", "must be an int >= 1")
+        sc = self.survivor_cost
+        if sc is not None and (isinstance(sc, bool) or not isinstance(sc, (int, float))
+                               or not sc > 0 or sc == float("inf")):
+            bad("survivor_cost", "must be None or a finite number > 0")
         for name in ("guided_witnesses", "guided_sample", "anchor_stride"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0 or (name == "guided_sample" and v < 1):

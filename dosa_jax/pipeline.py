@@ -149,7 +149,8 @@ def plan_tile(q, w, lo, hi, keys: KeyData, config, hint=None) -> TilePlan:
         s_norm = s_norm * s_alpha
         sample = sample & enc.scale_is_valid(s_alpha)
     plan, details, budget = build_plan(q.astype(jnp.float32), w, p, config, sample_dots=s_dots,
-                                       sample_norms=s_norm, sample_valid=sample, tau=tau0)
+                                       sample_norms=s_norm, sample_valid=sample, tau=tau0,
+                                       survivor_weight=config.survivor_cost or 1.0)
     witnesses = [] if hint is None else [hint.astype(jnp.int32)]
     if config.guided_witnesses:
         witnesses.append(guided_witnesses(plan, lo, hi, keys, config))

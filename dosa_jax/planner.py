@@ -107,13 +107,20 @@ def retained_mask(q, w, p, r, config):
 
 
 def build_plan(q, w, p, config, *, sample_dots=None, sample_norms=None, sample_valid=None,
-               tau=None, fp8_aggregate: bool = False, row_dtype=None):
+               tau=None, fp8_aggregate: bool = False, row_dtype=None, program_queries: int = 1,
+               survivor_weight: float = 1.0):
     """Plans for a batch of queries ([T, H, D] etc.), choosing the budget per query.
 
     With a single budget (``Config.retained_heads`` an int) the sample arguments
     are unused. With ``"auto"``, each candidate budget's real-number certificate
     (Eq. 9) is evaluated on the sample keys' head dots, the surviving fraction m
-    estimated against τ, and the budget minimising (r + d_a)/H + m chosen (Eq. 21).
+    estimated against τ, and the budget minimising (r + d_a)/H + κ·m chosen
+    (Eq. 21 with κ = ``survivor_weight``; 1 counts dot products as the paper does).
+
+    ``program_queries`` > 1: one budget for each block of that many consecutive queries
+    (a screening program, which pays for the largest budget among its queries anyway),
+    the one minimising the block's summed cost over its queries with visible sample keys;
+    every query of the block then retains that many heads.
 
     Returns:
       (ScreeningPlan [T, ...], PlanDetails [T, ...], chosen budget [T] int32).
@@ -125,24 +132,32 @@ def build_plan(q, w, p, config, *, sample_dots=None, sample_norms=None, sample_v
     R = max(budgets)
     d_a = 2 if fp8_aggregate else 1
 
-    def one(qt, wt, pt, *sample):
-        def for_r(r):
-            m = retained_mask(qt, wt, pt, r, config)
-            return plan_for_mask(qt, wt, pt, m, config, R, fp8_aggregate=fp8_aggregate,
-                                 row_dtype=row_dtype)
-
-        if len(budgets) == 1:
-            plan, det = for_r(budgets[0])
-            return plan, det, jnp.int32(budgets[0])
-        rs = jnp.asarray(budgets, jnp.int32)
-        plans, dets = jax.vmap(for_r)(rs)  # one program for every candidate budget
-        x, kn, ok, tt = sample
-        costs = jax.vmap(lambda det, r: budget_mod.estimated_cost(x, kn, ok, tt, det, r, d_a, H))(
-            dets, rs)
-        best = jnp.argmin(costs)  # ties: the smaller budget (candidates ascending)
-        pick = lambda t: jax.tree_util.tree_map(lambda a: a[best], t)
-        return pick(plans), pick(dets), rs[best]
+    def for_r(qt, wt, pt, r):
+        m = retained_mask(qt, wt, pt, r, config)
+        return plan_for_mask(qt, wt, pt, m, config, R, fp8_aggregate=fp8_aggregate,
+                             row_dtype=row_dtype)
 
     if len(budgets) == 1:
-        return jax.vmap(one)(q, w, p)
-    return jax.vmap(one)(q, w, p, sample_dots, sample_norms, sample_valid, tau)
+        plan, det = jax.vmap(lambda qt, wt, pt: for_r(qt, wt, pt, budgets[0]))(q, w, p)
+        return plan, det, jnp.full((q.shape[0],), budgets[0], jnp.int32)
+    rs = jnp.asarray(budgets, jnp.int32)
+
+    def costs(qt, wt, pt, x, kn, ok, tt):   # [len(budgets)] for one query
+        dets = jax.vmap(lambda r: for_r(qt, wt, pt, r)[1])(rs)
+        return jax.vmap(lambda det, r: budget_mod.estimated_cost(
+            x, kn, ok, tt, det, r, d_a, H, survivor_weight))(dets, rs)
+
+    c = jax.vmap(costs)(q, w, p, sample_dots, sample_norms, sample_valid, tau)   # [T, nb]
+    if program_queries > 1:
+        T = q.shape[0]
+        B = int(program_queries)
+        Tb = -(-T // B) * B
+        has = jnp.any(sample_valid, axis=-1)
+        cb = jnp.pad(jnp.where(has[:, None], c, 0.0), ((0, Tb - T), (0, 0)))
+        best = jnp.argmin(jnp.sum(cb.reshape(Tb // B, B, -1), axis=1), axis=1)
+        best = jnp.repeat(best, B)[:T]    # ties: the smaller budget (candidates ascending)
+    else:
+        best = jnp.argmin(c, axis=1)
+    budget = rs[best]
+    plan, det = jax.vmap(for_r)(q, w, p, budget)
+    return plan, det, budget

@@ -99,6 +99,12 @@ class Tiles(NamedTuple):
     # "kc" screen software-pipelined by hand: tile j's MMA is issued before tile j-1's
     # epilogue (the wgmma wait deferred past it), one more accumulator in registers
     screen_defer: bool = False
+    # the automatic budget chosen once per screening program (its queries share the budget
+    # the kernel pays for anyway) instead of per query
+    shared_budget: bool = True
+    # bf16/FP8 queries: the negative aggregate as one column (its bf16 hi; a − hi charged to
+    # the coefficient) instead of two (hi, −lo): one more retained head in the same columns
+    aggregate_hi_only: bool = False
 
 
 #: MMA layouts of the scoring and screening tiles (:func:`pallas_kernels.scoring.score_tile`).

@@ -53,6 +53,9 @@ from pallas_kernels.seeds import group_seed_lists, group_witnesses, seed_thresho
 
 #: Survivor-list budget (entries, int32) over all groups and splits: 1 GiB.
 SURVIVOR_BUDGET = 1 << 28
+#: κ of the automatic budget's cost (r + d_a)/H + κ·m on this backend
+#: (:func:`dosa_jax.planner.build_plan`; ``Config.survivor_cost`` overrides it).
+SURVIVOR_COST = 1.0
 #: Keys per query sampled for the planner (activation frequencies, budget choice).
 PLAN_SAMPLE = 128
 
@@ -233,6 +236,13 @@ def dosa_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), split
     return jax.tree_util.tree_map(lambda a: a.reshape((n * Tw,) + a.shape[2:])[:T], out)
 
 
+def _class_program_queries(classes, A: int, T: int, tiles: Tiles) -> dict:
+    """Queries per screening program of each budget class (a power of two)."""
+    return {c: screen_queries_per_program(screen_rows(c, A, tiles.screen_layout), T,
+                                          tiles.screen_layout, tiles.screen_bq or None)
+            for c in classes}
+
+
 def screen_by_budget(plan, budget, classes, agg_cols, agg_w, coef, eps, tau, prune, lo, hi, ops,
                      knorm, *, splits: int, capacity: int, single_piece: bool, tiles: Tiles,
                      interpret=None) -> Survivors:
@@ -260,9 +270,7 @@ def screen_by_budget(plan, budget, classes, agg_cols, agg_w, coef, eps, tau, pru
     Dp = ops.k.shape[-1]
     classes = tuple(sorted(set(int(c) for c in classes)))
     A = agg_cols.shape[1]
-    bqs = {c: screen_queries_per_program(screen_rows(c, A, tiles.screen_layout), T,
-                                         tiles.screen_layout, tiles.screen_bq or None)
-           for c in classes}
+    bqs = _class_program_queries(classes, A, T, tiles)
 
     def operands(c, Tq):   # the plan rows cut to budget c (all of them for the largest class)
         padq = lambda a, v=0: jnp.pad(a, ((0, Tq - T),) + ((0, 0),) * (a.ndim - 1),
@@ -346,7 +354,9 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     # bf16 (bf16 or FP8 queries); the negative aggregate then takes two rows (hi, lo)
     single = jnp.dtype(q.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn))
     absolute = config.certificate_form == "absolute"
-    config = screen_friendly(config, H, A=aggregate_column_count(single, absolute))
+    hi_only = single and tiles.aggregate_hi_only
+    A = aggregate_column_count(single, absolute, hi_only)
+    config = screen_friendly(config, H, A=A)
     S = splits or dense_mod.default_splits(T, N, tiles.BQ, tiles.BK)
     ops = prepare_operands(q, w, k, k_scale, tiles.BQ, layout=tiles.layout,
                            widen_fp8=tiles.widen_fp8, lane_sums=tiles.lane_sums)
@@ -367,12 +377,19 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     knorm = enc.key_norm_upper(k)
     dots, valid, sdots, snorm, svalid = _plan_sample(q, k, k_scale, knorm, lo, hi, config)
     p = jax.vmap(activation_frequencies)(dots, valid)
+    # the automatic budget, priced for this backend: one budget per screening program (the
+    # kernel pays for its largest one anyway; tiles.shared_budget), survivors weighted by κ
+    B = (max(_class_program_queries(config.budgets(H), A, T, tiles).values())
+         if tiles.shared_budget else 1)
+    kappa = SURVIVOR_COST if config.survivor_cost is None else config.survivor_cost
     plan, details, budget = build_plan(q.astype(jnp.float32), w, p, config, sample_dots=sdots,
-                                       sample_norms=snorm, sample_valid=svalid, tau=tau)
+                                       sample_norms=snorm, sample_valid=svalid, tau=tau,
+                                       program_queries=B, survivor_weight=kappa)
     # the negative aggregate as ReLU columns with weights ±1 (split into bf16 hi + lo with
     # bf16/FP8 queries), summed by the screen like the retained heads
     agg_cols, agg_w, agg_err = aggregate_columns(plan.aggregate, plan.aggregate_linear,
-                                                 split=single, absolute=absolute)
+                                                 split=single, absolute=absolute,
+                                                 hi_only=hi_only)
     eps = nm.upper_sum(plan.eps_raw, jnp.float32(
         4.0 * D * agg_cols.shape[1] * nm.ETA32))   # the extra columns' flushed results
     coef = knum.kernel_coefficient(q, w, plan, k.dtype, single_piece=single, aggregate=agg_cols,

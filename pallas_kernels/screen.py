@@ -125,12 +125,13 @@ def screen_rows(R: int, A: int, layout: str = "hk") -> int:
     return max(Rp, 16) if layout == "kh" else Rp
 
 
-def aggregate_column_count(split: bool, absolute: bool) -> int:
+def aggregate_column_count(split: bool, absolute: bool, hi_only: bool = False) -> int:
     """Aggregate columns per query (:func:`aggregate_columns`)."""
-    return (2 if split else 1) * (2 if absolute else 1)
+    return (2 if split and not hi_only else 1) * (2 if absolute else 1)
 
 
-def aggregate_columns(aggregate: Array, linear: Array, *, split: bool, absolute: bool):
+def aggregate_columns(aggregate: Array, linear: Array, *, split: bool, absolute: bool,
+                      hi_only: bool = False):
     """The negative aggregate (Eq. 8, 25) as ReLU columns with weights ±1.
 
     The plan subtracts ``relu(a·k)`` (or ``a·k`` for queries in the absolute form,
@@ -149,6 +150,12 @@ def aggregate_columns(aggregate: Array, linear: Array, *, split: bool, absolute:
 
     Negation is exact, so every column is as exact in bf16 as its piece.
 
+    ``hi_only`` (with ``split``): the hi piece alone, its remainder ``e = a − hi``
+    (``|e| ≤ 2^-9 |a|``) charged as ‖e‖·‖k‖ — one column instead of two, so one more
+    retained head fits the same power of two (r = 15 in 16 columns):
+
+    * hi only, basic: [hi] with [−1]; absolute: [hi, −hi] with [−1, +1] (linear) or [−1, 0].
+
     Args:
       aggregate: [T, 1, D] float32; linear: [T] bool.
     Returns:
@@ -164,8 +171,12 @@ def aggregate_columns(aggregate: Array, linear: Array, *, split: bool, absolute:
         hi = nm.rounded_to(a, jnp.bfloat16)      # (a bare astype round trip is dropped under jit)
         lo = nm.rounded_to(a - hi, jnp.bfloat16)
         e = (a - hi) - lo                                  # both subtractions exact in float32
+        if hi_only:
+            e = a - hi                                     # exact in float32
         err = nm.inflate(nm.norm_upper(e), 2)
-        if absolute:
+        if hi_only:
+            cols, ws = ([hi, -hi], [-one, jnp.where(lin, 1.0, 0.0)]) if absolute else ([hi], [-one])
+        elif absolute:
             cols = [hi, -hi, lo, -lo]
             ws = [-one, jnp.where(lin, 1.0, 0.0), jnp.where(lin, -1.0, 0.0), one]
         else:

@@ -120,7 +120,7 @@ def test_bad_input_names_the_argument(inp, fn, bad, exc, msg):
     ("positive_residual", "l1"), ("negative_support", "some"), ("negative_ranking", "x"),
     ("certificate_form", "abs"), ("capacity", 0), ("key_block", 0), ("backend", "tpu"),
     ("local_fraction", 1.5), ("scorer_unit_roundoff", 0.5), ("budget_candidates", (0,)),
-    ("anchor_stride", -4),
+    ("anchor_stride", -4), ("survivor_cost", 0.0), ("survivor_cost", float("inf")),
 ])
 def test_bad_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=f"Config.{field}"):

@@ -115,17 +115,20 @@ def test_exact_topk_matches_reference_with_ties_nan_and_bad_guess():
     assert int(st["fallback_rows"][4]) == 1
 
 
-@pytest.mark.parametrize("single_piece,layout,bq,lane_sums,absolute,defer",
-                         [(False, "hk", None, False, False, False),
-                          (True, "kh", None, False, True, False),
-                          (True, "kc", None, True, False, False),
-                          (True, "kc", 8, False, True, False),
-                          (False, "kc", 8, True, True, False),
-                          (True, "kc", 4, True, False, True)],
+@pytest.mark.parametrize("single_piece,layout,bq,lane_sums,absolute,defer,hi_only",
+                         [(False, "hk", None, False, False, False, False),
+                          (True, "kh", None, False, True, False, False),
+                          (True, "kc", None, True, False, False, False),
+                          (True, "kc", 8, False, True, False, False),
+                          (False, "kc", 8, True, True, False, False),
+                          (True, "kc", 4, True, False, True, True),
+                          (True, "kc", 8, True, True, True, True)],
                          ids=["two_pieces_hk", "one_piece_kh_absolute", "one_piece_kc_lanes",
                               "one_piece_kc_bq8_query_major_absolute",
-                              "two_pieces_kc_bq8_lanes_absolute", "one_piece_kc_lanes_deferred"])
-def test_screen_matches_twin(single_piece, layout, bq, lane_sums, absolute, defer):
+                              "two_pieces_kc_bq8_lanes_absolute",
+                              "one_piece_kc_lanes_deferred_hi_only",
+                              "one_piece_kc_bq8_deferred_hi_only_absolute"])
+def test_screen_matches_twin(single_piece, layout, bq, lane_sums, absolute, defer, hi_only):
     """The screen kernel's survival masks and the compaction's lists against the twins on every
     (query, key): the bound (retained heads, the aggregate as ReLU columns in both forms, the
     kernel's lane-aligned column order or not, the software-pipelined loop), the strict
@@ -140,8 +143,9 @@ def test_screen_matches_twin(single_piece, layout, bq, lane_sums, absolute, defe
     row_w = jnp.asarray(inp.w[:, :R])
     agg = q32[:, R:R + 1] * 0.3
     linear = jnp.asarray(rng.random(T) < 0.5)
-    cols, cw, err = screen.aggregate_columns(agg, linear, split=single_piece, absolute=absolute)
-    assert cols.shape[1] == screen.aggregate_column_count(single_piece, absolute)
+    cols, cw, err = screen.aggregate_columns(agg, linear, split=single_piece, absolute=absolute,
+                                             hi_only=hi_only)
+    assert cols.shape[1] == screen.aggregate_column_count(single_piece, absolute, hi_only)
     if single_piece:   # the pipeline's form: hi, lo exact in bf16, the remainder bounded
         np.testing.assert_array_equal(np.asarray(cols.astype(jnp.bfloat16).astype(jnp.float32)),
                                       np.asarray(cols))
@@ -602,6 +606,10 @@ def test_benchmark_specs_parse_tiles_seeds_and_anchors():
     assert parse_tiles(tiles_name(t))[0] == t
     with pytest.raises(ValueError, match="screen_defr"):
         parse_tiles("screen_defr=1")
+    t, o = parse_tiles("shared_budget=0/8192/0/0/2.5")
+    assert not t.shared_budget and o.config(8).survivor_cost == 2.5
+    assert parse_tiles(tiles_name(t, o)) == (t, o)
     t, o = parse_tiles("")
     assert t == dense.Tiles() and (o.seeds, o.anchor) == (BENCH_SEEDS, 0)
+    assert o.config(8).survivor_cost is None
     assert parse_tiles("/4096")[1].config(8).anchors(4096) == 0

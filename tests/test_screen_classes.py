@@ -85,16 +85,27 @@ def test_dosa_with_two_budget_classes_equals_dense_bitwise():
     cfg = Config(top_k=32, retained_heads="auto", budget_candidates=(2, 6), seed_size=256,
                  capacity=1024)
     args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)
+    per_query = TILES_KC._replace(shared_budget=False)         # budgets chosen per query
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(pipeline, "DIRECT_SURVIVAL", 2.0)            # every group screens
-        idx, sc, st, det = jit_dosa_details(args, cfg, tiles=TILES_KC, splits=2)
+        idx, sc, st, det = jit_dosa_details(args, cfg, tiles=per_query, splits=2)
+        # shared by each 8-query screening program, survivors priced 4x (more heads), the
+        # aggregate as one column, the software-pipelined screen
+        cfg4 = cfg.replace(survivor_cost=4.0)
+        idx4, sc4, st4, det4 = jit_dosa_details(
+            args, cfg4, tiles=TILES_KC._replace(aggregate_hi_only=True, screen_defer=True),
+            splits=2)
     didx, dsc = jax.jit(lambda *a: pipeline.dense_topk(*a, cfg, tiles=TILES_KC, splits=2))(*args)
-    np.testing.assert_array_equal(np.asarray(idx), np.asarray(didx))
-    np.testing.assert_array_equal(np.asarray(sc), np.asarray(dsc))
-    b = np.asarray(st.budget).reshape(-1, 4).max(axis=1)       # program classes (4 queries)
+    for i, s_ in ((idx, sc), (idx4, sc4)):
+        np.testing.assert_array_equal(np.asarray(i), np.asarray(didx))
+        np.testing.assert_array_equal(np.asarray(s_), np.asarray(dsc))
+    b = np.asarray(st.budget).reshape(-1, 8).max(axis=1)       # program classes (8 queries)
     assert len(set(b.tolist())) == 2, f"one class only: {b}"
+    b4 = np.asarray(st4.budget).reshape(-1, 8)
+    assert np.all(b4 == b4[:, :1]), "budgets differ inside a screening program"
     assert float(jnp.mean(st.survivors / st.visible)) < 1.0
     assert_screening_bound_holds_on_every_key(inp, det)
+    assert_screening_bound_holds_on_every_key(inp, det4)
 
 
 def test_budget_between_classes_goes_to_the_next_class():
