@@ -53,7 +53,10 @@ class Tiles(NamedTuple):
     in one thread (``lane_sums``, ``screen_lane_sums``; T=4096, N=1M: DoSA 124 -> 71 ms, seeded
     dense 128 -> 97 ms) and measured again, slower than the defaults: 2 pipeline stages, 8-warp
     screens (8 or 16 queries, 64- or 128-key tiles), 128-key screen tiles, 64-key refinement
-    tiles, 128-key dense tiles.
+    tiles, 128-key dense tiles. Session 10 deferred the screen's wgmma wait past the previous
+    tile's epilogue, shared the budget within each screening program and wrote the aggregate
+    as one column (T=4096, N=1M: DoSA 71.1 -> 62.9 ms); 2 screen stages (3 programs per SM by
+    shared memory) measured slower (45.9 -> 51.5 ms screen).
     """
 
     BQ: int = 4          # queries per program (refinement group size, paper Sec. 3)
@@ -97,14 +100,17 @@ class Tiles(NamedTuple):
     # programs per SM
     screen_stages: int = 0
     # "kc" screen software-pipelined by hand: tile j's MMA is issued before tile j-1's
-    # epilogue (the wgmma wait deferred past it), one more accumulator in registers
-    screen_defer: bool = False
+    # epilogue (ptxas interleaves that epilogue with the HGMMAs before the wait), one more
+    # accumulator in registers (165 -> 238 at 8 x 16 columns; tiles wider than 128 columns
+    # keep the plain loop). H200, T=4096, N=1M (session 10): screen 45.9 -> 43.9 ms
+    screen_defer: bool = True
     # the automatic budget chosen once per screening program (its queries share the budget
-    # the kernel pays for anyway) instead of per query
+    # the kernel pays for anyway) instead of per query. Session 10: DoSA 68.8 -> 66.0 ms
     shared_budget: bool = True
     # bf16/FP8 queries: the negative aggregate as one column (its bf16 hi; a − hi charged to
     # the coefficient) instead of two (hi, −lo): one more retained head in the same columns
-    aggregate_hi_only: bool = False
+    # (r = 15 in 16). Session 10: survival 7.6 -> 6.2 %, DoSA 66.0 -> 62.9 ms
+    aggregate_hi_only: bool = True
 
 
 #: MMA layouts of the scoring and screening tiles (:func:`pallas_kernels.scoring.score_tile`).

@@ -52,8 +52,8 @@ def _class_inputs(T=32, N=400, seed=5):
     return inp, plan, jnp.asarray(budget), (cols, cw), coef, eps, tau, prune, lo, ops
 
 
-@pytest.mark.parametrize("tiles", [TILES_KC, TILES, TILES_KC._replace(screen_defer=True)],
-                         ids=["kc", "hk", "kc_deferred"])
+@pytest.mark.parametrize("tiles", [TILES_KC, TILES, TILES_KC._replace(screen_defer=False)],
+                         ids=["kc", "hk", "kc_plain_loop"])
 def test_budget_classes_screen_matches_twin_and_one_kernel(tiles):
     inp, plan, budget, agg, coef, eps, tau, prune, lo, ops = _class_inputs()
     T, N = budget.shape[0], inp.k.shape[0]
@@ -85,16 +85,16 @@ def test_dosa_with_two_budget_classes_equals_dense_bitwise():
     cfg = Config(top_k=32, retained_heads="auto", budget_candidates=(2, 6), seed_size=256,
                  capacity=1024)
     args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)
-    per_query = TILES_KC._replace(shared_budget=False)         # budgets chosen per query
+    # budgets chosen per query, the aggregate as two columns, the plain screen loop
+    per_query = TILES_KC._replace(shared_budget=False, aggregate_hi_only=False,
+                                  screen_defer=False)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(pipeline, "DIRECT_SURVIVAL", 2.0)            # every group screens
         idx, sc, st, det = jit_dosa_details(args, cfg, tiles=per_query, splits=2)
-        # shared by each 8-query screening program, survivors priced 4x (more heads), the
-        # aggregate as one column, the software-pipelined screen
+        # the defaults: shared by each 8-query screening program, the aggregate as one
+        # column, the software-pipelined screen; survivors priced 4x (more heads)
         cfg4 = cfg.replace(survivor_cost=4.0)
-        idx4, sc4, st4, det4 = jit_dosa_details(
-            args, cfg4, tiles=TILES_KC._replace(aggregate_hi_only=True, screen_defer=True),
-            splits=2)
+        idx4, sc4, st4, det4 = jit_dosa_details(args, cfg4, tiles=TILES_KC, splits=2)
     didx, dsc = jax.jit(lambda *a: pipeline.dense_topk(*a, cfg, tiles=TILES_KC, splits=2))(*args)
     for i, s_ in ((idx, sc), (idx4, sc4)):
         np.testing.assert_array_equal(np.asarray(i), np.asarray(didx))
