@@ -8,6 +8,8 @@
 #   CALL=final: gpu_s7.sh FINAL (XLA / dense / DoSA at SHAPES, exact_topk, the peak, then the
 #     GPU kernel tests and the budget-class, record-buffer and jit round-trip tests).
 # Usage (device tool): CALL=ab AB_OLD=ab_s8 DOSA_SPECS=... RUNS=... bash benchmarks/gpu_s9.sh
+# Set DOSA_COMMIT=<sha> for CALL=final: the device copy's git metadata can be stale (session 10).
+# TAG names the tarball (s9 by default; s10 in session 10).
 set -o pipefail
 root=$OUT
 W=$(mktemp -d)
