@@ -293,23 +293,28 @@ def parse_tiles(spec):
     return t, seeds
 
 
+#: The Tiles fields of the positional spec, in order (BQ is always 4); the last three are
+#: left out of a name while they hold their defaults.
+POSITIONAL_FIELDS = ("layout", "BK", "num_warps", "num_stages", "screen_layout", "screen_bq",
+                     "screen_warps", "screen_lane_sums", "screen_bk", "widen_fp8", "refine_bk",
+                     "CH", "record_slots", "lane_sums")
+
+
 def tiles_name(t, seeds=None):
-    """The spec of :func:`parse_tiles` for tiles ``t`` (trailing default fields left out)."""
-    f = [t.layout, t.BK, t.num_warps, t.num_stages, t.screen_layout, t.screen_bq,
-         t.screen_warps, int(t.screen_lane_sums), t.screen_bk, int(t.widen_fp8), t.refine_bk]
-    tail = [t.CH, t.record_slots, int(t.lane_sums)]
-    while tail and tail[-1] == (256, 0, 1)[len(tail) - 1]:
-        tail.pop()
-    name = ":".join(str(x) for x in f + tail)
+    """The spec of :func:`parse_tiles` for tiles ``t`` (trailing default fields left out; the
+    ``field=value`` form when a field past the positional spec is not its default)."""
     from pallas_kernels import dense as dense_mod
     d = dense_mod.Tiles()
-    positional = ("BQ", "layout", "BK", "num_warps", "num_stages", "screen_layout", "screen_bq",
-                  "screen_warps", "screen_lane_sums", "screen_bk", "widen_fp8", "refine_bk", "CH",
-                  "record_slots", "lane_sums")
-    if any(getattr(t, k) != getattr(d, k) for k in t._fields if k not in positional):
-        # fields past the positional spec: the field=value form (every non-default field)
-        name = "+".join(f"{k}={int(v) if isinstance(v, bool) else v}"
-                        for k, v in t._asdict().items() if v != getattr(d, k))
+    as_spec = lambda v: int(v) if isinstance(v, bool) else v
+    if any(getattr(t, k) != getattr(d, k) for k in t._fields
+           if k not in POSITIONAL_FIELDS + ("BQ",)):
+        name = "+".join(f"{k}={as_spec(v)}" for k, v in t._asdict().items()
+                        if v != getattr(d, k))
+    else:
+        f = [as_spec(getattr(t, k)) for k in POSITIONAL_FIELDS]
+        while len(f) > 11 and f[-1] == as_spec(getattr(d, POSITIONAL_FIELDS[len(f) - 1])):
+            f.pop()
+        name = ":".join(str(x) for x in f)
     return name if seeds is None else f"{name}/{seeds}"
 
 

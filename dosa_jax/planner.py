@@ -159,5 +159,7 @@ def build_plan(q, w, p, config, *, sample_dots=None, sample_norms=None, sample_v
     else:
         best = jnp.argmin(c, axis=1)
     budget = rs[best]
+    # the plans of the chosen budgets only (one more plan per query instead of holding
+    # [T, budgets, R, D] rows to pick from)
     plan, det = jax.vmap(for_r)(q, w, p, budget)
     return plan, det, budget

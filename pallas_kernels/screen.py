@@ -176,10 +176,11 @@ def aggregate_columns(aggregate: Array, linear: Array, *, split: bool, absolute:
     err = None
     if split:
         hi = nm.rounded_to(a, jnp.bfloat16)      # (a bare astype round trip is dropped under jit)
-        lo = nm.rounded_to(a - hi, jnp.bfloat16)
-        e = (a - hi) - lo                                  # both subtractions exact in float32
         if hi_only:
             e = a - hi                                     # exact in float32
+        else:
+            lo = nm.rounded_to(a - hi, jnp.bfloat16)
+            e = (a - hi) - lo                              # both subtractions exact in float32
         err = nm.inflate(nm.norm_upper(e), 2)
         if hi_only:
             cols, ws = ([hi, -hi], [-one, jnp.where(lin, 1.0, 0.0)]) if absolute else ([hi], [-one])
