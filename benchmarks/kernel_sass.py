@@ -141,9 +141,11 @@ def main(argv=None):
     from benchmarks.run import parse_tiles
     tiles, _ = parse_tiles(a.tiles)
     for p in paths:
-        scr = "dosa_screen" in p
-        nw = tiles.screen_warps if scr else tiles.num_warps
-        ns = (tiles.screen_stages or tiles.num_stages) if scr else tiles.num_stages
+        scr, ref = "dosa_screen" in p, "dosa_refine" in p
+        nw = (tiles.screen_warps if scr else (tiles.refine_warps or tiles.num_warps) if ref
+              else tiles.num_warps)
+        ns = ((tiles.screen_stages if scr else tiles.refine_stages if ref else 0)
+              or tiles.num_stages)
         print(compile_kernel(p, nw, ns), flush=True)
 
 

@@ -139,6 +139,7 @@ def main(argv=None):
                                   seeded_dense_equal=bool(jnp.all(si == ei) & jnp.all(ss == es)),
                                   survival=float(jnp.mean(st.survivors / vis)),
                                   recoveries=int(jnp.sum(st.recoveries)),
+                                  overflows=int(jnp.sum(st.overflows)),
                                   budgets={int(r_): int(n_) for r_, n_ in zip(rs, nr)})),
                   flush=True)
         except Exception as e:  # noqa: BLE001

@@ -36,11 +36,16 @@ def break_even_survival(r, d_a: int, H: int):
     return 1.0 - (r + d_a) / H
 
 
+def sample_survivors(head_dots, key_norm, valid, tau, details):
+    """[P] bool: the sample keys whose real-number certificate (Eq. 9) is ≥ τ (valid ones)."""
+    U = certificate(head_dots, key_norm, details.w_fold, details.residual, details.support_weight)
+    return valid & ~(U < tau)
+
+
 def estimated_survival(head_dots, key_norm, valid, tau, details):
     """m̂: fraction of sample keys whose real-number certificate (Eq. 9) is ≥ τ."""
-    U = certificate(head_dots, key_norm, details.w_fold, details.residual, details.support_weight)
     n = jnp.maximum(jnp.sum(valid), 1)
-    return jnp.sum(valid & ~(U < tau)) / n
+    return jnp.sum(sample_survivors(head_dots, key_norm, valid, tau, details)) / n
 
 
 def estimated_cost(head_dots, key_norm, valid, tau, details, r: int, d_a: int, H: int,

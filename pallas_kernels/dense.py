@@ -111,6 +111,20 @@ class Tiles(NamedTuple):
     # the coefficient) instead of two (hi, −lo): one more retained head in the same columns
     # (r = 15 in 16). Session 10: survival 7.6 -> 6.2 %, DoSA 66.0 -> 62.9 ms
     aggregate_hi_only: bool = True
+    # refinement programs per survivor list: each takes a slice of whole tiles of its list and
+    # keeps its own record buffers. H200, T=4096, N=1M (session 11, longest first): 1 slice
+    # 59.8 ms, 2 slices 64.2, 4 slices 72.0 (each buffer's records and final compaction cost
+    # more than the balance gains)
+    refine_slices: int = 1
+    # refinement programs launched longest list first (the GPU starts programs about in id
+    # order, so the long lists no longer end the kernel alone), else in list order. Session 11:
+    # DoSA 63.7 -> 59.8 ms
+    refine_longest_first: bool = True
+    # warps and pipeline stages of the refinement kernel (0: num_warps / num_stages); a kc
+    # score is one MMA row's head sum in one thread, whatever the warps (checked bitwise on the
+    # GPU against the dense kernel)
+    refine_warps: int = 0
+    refine_stages: int = 0
 
 
 #: MMA layouts of the scoring and screening tiles (:func:`pallas_kernels.scoring.score_tile`).
@@ -140,10 +154,16 @@ def check_tiles(tiles: Tiles) -> Tiles:
                          f"layout={tiles.layout!r} set tiles.refine_bk=0")
     if tiles.record_slots < 0:
         raise ValueError(f"tiles.record_slots must be >= 0 (0: default), got {tiles.record_slots}")
+    if not isinstance(tiles.refine_slices, int) or tiles.refine_slices < 1:
+        raise ValueError(f"tiles.refine_slices must be an int >= 1, got {tiles.refine_slices!r}")
     if tiles.screen_bq < 0 or tiles.screen_bq % 4:
         raise ValueError(f"tiles.screen_bq must be 0 or a multiple of 4, got {tiles.screen_bq}")
     if tiles.num_warps not in (1, 2, 4, 8, 16) or tiles.screen_warps not in (1, 2, 4, 8, 16):
         raise ValueError("tiles.num_warps and tiles.screen_warps must be 1, 2, 4, 8 or 16")
+    if tiles.refine_warps not in (0, 1, 2, 4, 8, 16):
+        raise ValueError(f"tiles.refine_warps must be 0, 1, 2, 4, 8 or 16, got {tiles.refine_warps}")
+    if tiles.refine_stages < 0 or tiles.screen_stages < 0:
+        raise ValueError("tiles.refine_stages and tiles.screen_stages must be >= 0 (0: num_stages)")
     return tiles
 
 

@@ -19,7 +19,8 @@ queries are answered by a full dense scan (counted as an overflow and a
 recovery): no candidate is ever lost. A group with a query that cannot prune
 (no τ, a failed guard) or whose sample predicts survival above
 :data:`DIRECT_SURVIVAL` skips the screen and goes to that dense scan at once
-(counted as a recovery).
+(counted as a recovery); so does a group whose sample predicts a survivor list
+fuller than :data:`DIRECT_LIST_USE` of its capacity (:func:`predicted_list_use`).
 
 The planner's sample (activation frequencies, budget) is a strided sample of
 each query's visible range scored in float32 and scaled by α_i, as in the
@@ -36,7 +37,7 @@ from dosa_jax import enclosure as enc
 from dosa_jax import numerics as nm
 from dosa_jax import seeds as seeds_mod
 from dosa_jax.bounds.heads import activation_frequencies
-from dosa_jax.budget import estimated_survival
+from dosa_jax.budget import sample_survivors
 from dosa_jax.pipeline import Stats
 from dosa_jax.planner import build_plan
 from dosa_jax.selection import INT32_MIN, key_to_score
@@ -120,6 +121,38 @@ def screen_friendly(config, H: int, A: int = 1):
 #: from θ₀ = τ at once: screening it would cost more than it saves, and its group's
 #: survivor list (N/2 slots) would likely overflow and be rescanned anyway.
 DIRECT_SURVIVAL = 0.5
+
+
+#: A group whose predicted survivor count (:func:`predicted_list_use`) exceeds this share of
+#: its list capacity (all splits) is scanned densely from θ₀ = τ at once instead of screened.
+DIRECT_LIST_USE = 0.8
+
+
+def predicted_list_use(kept, valid, lo, hi, Tpad4: int):
+    """Predicted entries of each group's survivor list [G4] from the planner's sample.
+
+    ``kept`` [T, P]: sample key j of query t survives (:func:`dosa_jax.budget.sample_survivors`);
+    the sample is strided over each query's own range, so sample j of a group's queries lies
+    at about the same position when their ranges are alike (causal neighbours). The group's
+    union survival is estimated as the share of sample positions j kept by *any* of its
+    queries, times the group's range (min lo to max hi). A speed heuristic only: a wrong
+    guess costs time (a needless dense scan, or an overflow that is rescanned), never the
+    answer.
+    """
+    T = kept.shape[0]
+    pad = Tpad4 - T
+    G4 = Tpad4 // 4
+    k4 = jnp.pad(kept, ((0, pad), (0, 0))).reshape(G4, 4, -1)
+    v4 = jnp.pad(valid, ((0, pad), (0, 0))).reshape(G4, 4, -1)
+    union = jnp.sum(jnp.any(k4, axis=1), axis=1) / jnp.maximum(
+        jnp.sum(jnp.any(v4, axis=1), axis=1), 1)
+    ne = hi > lo
+    big = jnp.iinfo(jnp.int32).max
+    glo = jnp.min(jnp.pad(jnp.where(ne, lo, big), (0, pad), constant_values=big).reshape(G4, 4),
+                  axis=1)
+    ghi = jnp.max(jnp.pad(jnp.where(ne, hi, 0), (0, pad)).reshape(G4, 4), axis=1)
+    span = jnp.maximum(ghi - glo, 0).astype(jnp.float32)
+    return union * span
 
 
 def _score_key(theta):
@@ -405,14 +438,19 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     theta_tau = jnp.where(prune, tau_key, THETA_NONE)
     # queries that cannot prune, or whose sample says most keys survive, go straight to
     # the dense scan (from θ₀ = τ) with their group of 4: exact either way, only faster
-    est = jax.vmap(estimated_survival)(sdots, snorm, svalid, tau, details)
+    kept = jax.vmap(sample_survivors)(sdots, snorm, svalid, tau, details)   # [T, P]
+    est = jnp.sum(kept, axis=1) / jnp.maximum(jnp.sum(svalid, axis=1), 1)
     nonempty = hi > lo
     direct_q = nonempty & (~prune | (est > DIRECT_SURVIVAL))
     direct_g = jnp.any(jnp.pad(direct_q, (0, Tpad4 - T)).reshape(G4, 4), axis=1)
+    # a group whose survivor list would likely overflow goes too (its union, not any one
+    # query, fills the list; an overflow costs the screen, the refinement and the rescan)
+    Cs = survivor_capacity(N, T, S, K, config.capacity)
+    use = predicted_list_use(kept, svalid, lo, hi, Tpad4)
+    direct_g = direct_g | (use > DIRECT_LIST_USE * Cs * S)
     direct = jnp.repeat(direct_g, 4)[:T]
 
     # 3. screen (direct groups see no keys here), one kernel per budget class
-    Cs = survivor_capacity(N, T, S, K, config.capacity)
     slo = jnp.where(direct, 0, lo)
     shi = jnp.where(direct, 0, hi)
     surv = screen_by_budget(plan, budget, config.budgets(H), agg_cols, agg_w, coef, eps, tau,
@@ -438,8 +476,9 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     def recover_fn(c):
         rlo = jnp.where(recover, lo, 0)
         rhi = jnp.where(recover, hi, 0)
-        d = dense_mod.dense_candidates(ops, rlo, rhi, theta_tau, K, splits=S, capacity=C,
-                                       tiles=tiles, interpret=interpret)
+        # as many record buffers as the refinement's (its splits cut into slices)
+        d = dense_mod.dense_candidates(ops, rlo, rhi, theta_tau, K, splits=c.count.shape[1],
+                                       capacity=C, tiles=tiles, interpret=interpret)
         sel = recover[:, None, None]
         return dense_mod.Candidates(jnp.where(sel, d.key, c.key), jnp.where(sel, d.ids, c.ids),
                               jnp.where(recover[:, None], d.count, c.count),
@@ -464,7 +503,8 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     if return_details:
         return idx, sc, stats, dict(plan=plan, coef=coef, eps=eps, surv=surv, cand=cand,
                                     tau_key=tau_key, Cs=Cs, splits=S, direct=direct,
-                                    estimated_survival=est, aggregate_columns=agg_cols,
+                                    estimated_survival=est, predicted_list_use=use,
+                                    aggregate_columns=agg_cols,
                                     aggregate_weights=agg_w, single_piece=single)
     return idx, sc, stats
 

@@ -55,29 +55,38 @@ def score_list_tile(sv_ref, start, slot, n_list, k_refs, sc_ref, qp, wv, *, tile
     return kid, mine, sc
 
 
-def _refine_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, H: int, S: int, Cl: int, C: int,
-                   K: int, pairs, lane_sums: bool, interpret: bool):
+def _refine_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, H: int, S: int, R: int, Cl: int,
+                   C: int, K: int, pairs, lane_sums: bool, interpret: bool):
     q_refs = refs[:Pq]
-    w_ref, th_ref, sv_ref, sn_ref = refs[Pq:Pq + 4]
-    k_refs = refs[Pq + 4:Pq + 4 + Pk]
-    sc_ref = refs[Pq + 4 + Pk]
-    rk_ref, ri_ref, cnt_ref, tho_ref, app_ref = refs[Pq + 5 + Pk:]
+    w_ref, th_ref, sv_ref, sn_ref, od_ref = refs[Pq:Pq + 5]
+    k_refs = refs[Pq + 5:Pq + 5 + Pk]
+    sc_ref = refs[Pq + 5 + Pk]
+    rk_ref, ri_ref, cnt_ref, tho_ref, app_ref = refs[Pq + 6 + Pk:]
     BQ, BK, CH = tiles.BQ, tiles.BK, tiles.CH
-    g = pl.program_id(0)
-    s = pl.program_id(1)
+    # program -> (list of group g, split s; by the launch order), slice r of that list
+    pid = pl.program_id(0)
+    gs = jnp.max(od_ref[pl.ds(pid // R, 1)])
+    r = pid % R
+    g = gs // S
+    s = gs % S
     size = rk_ref.shape[0]
     qp, wv = load_query_tile(q_refs, w_ref, g, BQ=BQ, H=H, layout=tiles.layout)
     theta0 = th_ref[pl.ds(g * BQ, BQ)]
     t_ids = g * BQ + jnp.arange(BQ, dtype=jnp.int32)
-    base = (t_ids * S + s) * C
-    lbase = (g * S + s) * Cl
-    n_list = jnp.minimum(sn_ref[pl.ds(g * S + s, 1)], Cl)   # [1]
+    oidx = (t_ids * S + s) * R + r          # this slice's record buffer of each query
+    base = oidx * C
+    lbase = gs * Cl
+    n_list = jnp.minimum(sn_ref[pl.ds(gs, 1)], Cl)   # [1]
+    # slice r: entries [r·L, min((r+1)·L, n)) with L = ⌈n/R⌉ rounded up to whole tiles
+    span = (((n_list + R - 1) // R + BK - 1) // BK) * BK
+    first = r * span
+    end = jnp.minimum(first + span, n_list)         # [1]
     lanes = jnp.arange(BK, dtype=jnp.int32)
-    nchunk = (jnp.max(n_list) + BK - 1) // BK
+    nchunk = (jnp.max(jnp.maximum(end - first, 0)) + BK - 1) // BK
 
     def tile(c, state):
-        kid, mine, sc = score_list_tile(sv_ref, lbase, c * BK + lanes, n_list, k_refs, sc_ref,
-                                        qp, wv, tiles=tiles, H=H, pairs=pairs,
+        kid, mine, sc = score_list_tile(sv_ref, lbase, first + c * BK + lanes, end, k_refs,
+                                        sc_ref, qp, wv, tiles=tiles, H=H, pairs=pairs,
                                         lane_sums=lane_sums)
         key = kernel_order_key(sc)
         elig = mine & (key != INT32_MIN)
@@ -90,47 +99,67 @@ def _refine_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, H: int, S: int, Cl: in
     state, appended = rec.scan_tiles(jnp.int32(0), nchunk, tile, theta0, rk_ref, ri_ref, base, K,
                                      C=C, BK=BK, CH=CH, size=size, interpret=interpret)
     count, theta, _ = state
-    oidx = t_ids * S + s
     cnt_ref[oidx] = count
     tho_ref[oidx] = theta
     app_ref[oidx] = appended
 
 
+def launch_order(list_count: Array, longest_first: bool) -> Array:
+    """The (group, split) lists [G4·S] in launch order: longest first (``longest_first``; the
+    GPU starts programs roughly in id order, so the long lists do not end the kernel alone),
+    ties in list order; else list order."""
+    n = list_count.reshape(-1).astype(jnp.int32)
+    ids = jnp.arange(n.shape[0], dtype=jnp.int32)
+    if not longest_first:
+        return ids
+    return jnp.lexsort((ids, -n)).astype(jnp.int32)
+
+
 @functools.partial(jax.jit, static_argnames=("K", "capacity", "tiles", "interpret", "T", "H", "pairs",
-                                             "lane_sums"))
+                                             "lane_sums", "R"))
 def _refine_call(q, w, theta0, lists, list_count, k, scale, *, K, capacity, tiles,
-                 interpret, T, H, pairs, lane_sums):
+                 interpret, T, H, pairs, lane_sums, R):
     G4, S, Cl = lists.shape
     Tpad = G4 * tiles.BQ
     C = capacity
-    size = Tpad * S * C
+    SR = S * R
+    size = Tpad * SR * C
     kern = functools.partial(_refine_kernel, Pq=q.shape[0], Pk=k.shape[0], tiles=tiles, H=H,
-                             S=S, Cl=Cl, C=C, K=K, pairs=pairs, lane_sums=lane_sums,
+                             S=S, R=R, Cl=Cl, C=C, K=K, pairs=pairs, lane_sums=lane_sums,
                              interpret=interpret)
+    order = launch_order(jnp.minimum(list_count, Cl), tiles.refine_longest_first)
     i32 = jnp.int32
     rk, ri, cnt, th, app = pl.pallas_call(
-        kern, grid=(G4, S),
+        kern, grid=(G4 * S * R,),
         out_shape=(jax.ShapeDtypeStruct((size,), i32), jax.ShapeDtypeStruct((size,), i32),
-                   jax.ShapeDtypeStruct((Tpad * S,), i32), jax.ShapeDtypeStruct((Tpad * S,), i32),
-                   jax.ShapeDtypeStruct((Tpad * S,), i32)),
-        compiler_params=compiler_params(tiles.num_warps, tiles.num_stages),
+                   jax.ShapeDtypeStruct((Tpad * SR,), i32), jax.ShapeDtypeStruct((Tpad * SR,), i32),
+                   jax.ShapeDtypeStruct((Tpad * SR,), i32)),
+        compiler_params=compiler_params(tiles.refine_warps or tiles.num_warps,
+                                        tiles.refine_stages or tiles.num_stages),
         interpret=interpret, name="dosa_refine")(
-            *q, w, theta0, lists.reshape(-1), list_count.reshape(-1), *k, scale)
-    return Candidates(rk.reshape(Tpad, S, C)[:T], ri.reshape(Tpad, S, C)[:T],
-                      cnt.reshape(Tpad, S)[:T], th.reshape(Tpad, S)[:T],
-                      app.reshape(Tpad, S)[:T])
+            *q, w, theta0, lists.reshape(-1), list_count.reshape(-1), order, *k, scale)
+    return Candidates(rk.reshape(Tpad, SR, C)[:T], ri.reshape(Tpad, SR, C)[:T],
+                      cnt.reshape(Tpad, SR)[:T], th.reshape(Tpad, SR)[:T],
+                      app.reshape(Tpad, SR)[:T])
 
 
 def refine(ops: Operands, lists: Array, list_count: Array, theta0: Array, K: int, *,
-           capacity=None, tiles: Tiles = Tiles(), interpret=None) -> Candidates:
+           capacity=None, tiles: Tiles = Tiles(), interpret=None, slices=None) -> Candidates:
     """Score the keys of packed lists [G4, S, Cl] for their queries; keep order key ≥ θ₀.
 
-    ``ops`` must be prepared with ``tiles.BQ == 4`` (the group size of the lists).
+    ``ops`` must be prepared with ``tiles.BQ == 4`` (the group size of the lists). Each list
+    is cut into ``slices`` (default ``tiles.refine_slices``) consecutive slices of whole tiles,
+    one program and one record buffer each: the candidates come as [T, S·slices, C], buffer
+    ``s·slices + r`` holding slice r of split s (ascending id ranges, as
+    :func:`pallas_kernels.records.select_from_records` needs).
     """
     if tiles.BQ != 4:
         raise ValueError("refinement groups are 4 queries (tiles.BQ must be 4)")
     if interpret is None:
         interpret = interpret_default()
+    R = tiles.refine_slices if slices is None else int(slices)
+    if R < 1:
+        raise ValueError(f"slices must be >= 1, got {slices}")
     if tiles.refine_bk and not interpret:
         # on the GPU a kc score does not depend on the tile's key count (checked bitwise by the
         # GPU tests); interpret mode's dot (XLA on CPU) may sum in another order for another
@@ -145,7 +174,7 @@ def refine(ops: Operands, lists: Array, list_count: Array, theta0: Array, K: int
     return _refine_call(ops.q, ops.w, theta0, lists, list_count, ops.k, ops.scale, K=K,
                         capacity=C, tiles=tiles,
                         interpret=interpret, T=T, H=ops.H, pairs=ops.pairs,
-                        lane_sums=ops.lane_sums)
+                        lane_sums=ops.lane_sums, R=R)
 
 
 def refine_reference(scores: Array, member: Array, theta0_scores: Array, K: int):

@@ -460,18 +460,114 @@ def test_kth_largest_keys_radix_search():
             np.testing.assert_array_equal(np.asarray(count), np.sum(np.asarray(keys) != lo32, 1))
 
 
-def test_dosa_overflow_recovers_exactly():
-    """float32 inputs (two bf16 pieces each) and survivor lists too small: exact via recovery."""
+@pytest.mark.parametrize("tiles", [TILES, TILES._replace(refine_slices=3)],
+                         ids=["one_slice", "three_slices"])
+def test_dosa_overflow_recovers_exactly(tiles):
+    """float32 inputs (two bf16 pieces each) and survivor lists too small: exact via recovery
+    (also with each list refined in three slices: the recovery then scans in as many splits)."""
     inp = synthetic.gaussian(T=8, N=700, H=4, D=32, seed=1)
     cfg = Config(top_k=32, retained_heads=2, seed_size=64, capacity=16)   # lists overflow
     args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)
-    idx, sc, st, det = jit_dosa_details(args, cfg, tiles=TILES, splits=2)
+    with pytest.MonkeyPatch.context() as mp:   # screen although the sample predicts overflows
+        mp.setattr(pipeline, "DIRECT_LIST_USE", float("inf"))
+        mp.setattr(pipeline, "DIRECT_SURVIVAL", 2.0)
+        idx, sc, st, det = jit_dosa_details(args, cfg, tiles=tiles, splits=2)
+    assert int(jnp.sum(st.overflows)) > 0
     didx, dsc = jax.jit(lambda *a: pipeline.dense_topk(*a, cfg, tiles=TILES, splits=2))(*args)
     np.testing.assert_array_equal(np.asarray(idx), np.asarray(didx))
     np.testing.assert_array_equal(np.asarray(sc), np.asarray(dsc))
     assert int(jnp.sum(st.recoveries)) > 0
     assert int(jnp.sum(st.pruning)) > 0
     assert_screening_bound_holds_on_every_key(inp, det)      # two-piece screen rows (float32 q)
+
+
+def test_refine_slices_and_launch_order_match_twin():
+    """The refinement kernel on hand-made survivor lists (one empty, one shorter than a tile,
+    long ones that compact their records, lists of splits of different lengths): cut into 1,
+    2 or 3 slices per list, launched in list order or longest first, the selections agree
+    bitwise with each other and with the twin's up to the scorer's rounding."""
+    from pallas_kernels.refine import launch_order, refine, refine_reference
+    from pallas_kernels.scoring import score_reference
+    from pallas_kernels.common import ID_BITS
+    from dosa_jax.selection import key_to_score, order_key
+    inp = synthetic.structured(T=8, N=600, H=8, D=16, seed=11, key_dtype="float8_e4m3fn",
+                               query_dtype="bfloat16")
+    K, S, Cl = 16, 2, 320
+    tiles = TILES._replace(layout="kc", refine_bk=0)
+    ops = dense.prepare_operands(inp.q, inp.w, inp.k, inp.k_scale, 4, layout="kc")
+    rng = np.random.default_rng(5)
+    lists = np.full((2, S, Cl), -1, np.int32)
+    count = np.zeros((2, S), np.int32)
+    member = np.zeros((8, 600), bool)
+    sizes = {(0, 0): 0, (0, 1): 9, (1, 0): 290, (1, 1): 150}
+    for (g, s), n in sizes.items():
+        ids = np.sort(rng.choice(np.arange(300 * s, 300 * s + 300), n, replace=False))
+        bits = rng.integers(1, 16, n)
+        lists[g, s, :n] = ids | (bits << ID_BITS)
+        count[g, s] = n
+        for b in range(4):
+            member[4 * g + b, ids[(bits >> b) & 1 == 1]] = True
+    twin = score_reference(mma_pieces(inp.q), inp.w, mma_pieces(inp.k), inp.k_scale)
+    # thresholds: none for two queries, else between two member scores near the 40th largest
+    # (away from every score: kernel and twin round differently)
+    th = np.full(8, THETA_NONE, np.int32)
+    for t in (1, 2, 4, 6, 7):
+        sc = np.sort(np.asarray(twin)[t][member[t]])[::-1]
+        j = min(39, len(sc) - 2)
+        th[t] = int(order_key(jnp.float32((sc[j] + sc[j + 1]) / 2)))
+    theta0 = jnp.asarray(th)
+    ridx, rsc = refine_reference(twin, jnp.asarray(member),
+                                 jnp.where(theta0 == THETA_NONE, -jnp.inf, key_to_score(theta0)),
+                                 K)
+    # longest first: the (group, split) lists by descending length, ties in list order
+    np.testing.assert_array_equal(np.asarray(launch_order(jnp.asarray(count), True)),
+                                  [2, 3, 1, 0])
+    first = None
+    for R, longest in ((1, False), (2, True), (3, True), (3, False)):
+        cand = refine(ops, jnp.asarray(lists), jnp.asarray(count), theta0, K, capacity=48,
+                      tiles=tiles._replace(refine_longest_first=longest), slices=R)
+        assert cand.key.shape == (8, S * R, 48)
+        idx, sc = records.select_from_records(cand.key, cand.ids, cand.count, K)
+        _assert_topk_close(idx, sc, ridx, rsc)
+        if first is None:
+            first = (idx, sc)
+        np.testing.assert_array_equal(np.asarray(idx), np.asarray(first[0]))
+        np.testing.assert_array_equal(np.asarray(sc), np.asarray(first[1]))
+        # every member key at or above θ₀ was scored once: appends count them (before any
+        # compaction drops one), so no slice skipped or repeated an entry
+        ok = member & ~(np.asarray(twin) < np.asarray(
+            jnp.where(theta0 == THETA_NONE, -jnp.inf, key_to_score(theta0)))[:, None])
+        assert np.all(np.asarray(cand.appended).sum(1) >= np.minimum(ok.sum(1), K))
+    with pytest.raises(ValueError, match="slices"):
+        refine(ops, jnp.asarray(lists), jnp.asarray(count), theta0, K, tiles=tiles, slices=0)
+
+
+def test_predicted_list_use_is_the_groups_sample_union_times_its_range():
+    """Group 0's queries keep disjoint sample positions (union 8 of 8), group 1's the same two
+    (2 of 8); an empty query and invalid samples do not count; padding to whole groups."""
+    kept = np.zeros((7, 8), bool)
+    for t in range(4):
+        kept[t, 2 * t:2 * t + 2] = True
+    kept[4:7, 3:5] = True
+    valid = np.ones((7, 8), bool)
+    valid[6, :] = False
+    lo = jnp.asarray([0, 10, 20, 30, 100, 100, 5], jnp.int32)
+    hi = jnp.asarray([200, 210, 220, 230, 300, 340, 5], jnp.int32)   # query 6: empty
+    use = pipeline.predicted_list_use(jnp.asarray(kept), jnp.asarray(valid), lo, hi, 8)
+    np.testing.assert_allclose(np.asarray(use), [1.0 * 230, 0.25 * 240])
+    # end to end: with no room predicted every pruning group goes straight to dense, exactly
+    inp = _bitwise_inputs()
+    cfg = BITWISE_CFG
+    args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pipeline, "DIRECT_LIST_USE", 0.0)
+        idx, sc, st, det = pipeline.dosa_topk(*args, cfg, tiles=TILES, splits=2,
+                                              return_details=True)
+    didx, dsc = pipeline.dense_topk(*args, cfg, tiles=TILES, splits=2)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(didx))
+    np.testing.assert_array_equal(np.asarray(sc), np.asarray(dsc))
+    assert bool(jnp.all(det["direct"])) and int(jnp.sum(st.recoveries)) == 8
+    assert int(jnp.sum(st.overflows)) == 0
 
 
 def test_dosa_waves_equal_one_wave_bitwise():
@@ -579,7 +675,10 @@ def test_bad_tiles_are_rejected_naming_the_field():
                        (TILES._replace(screen_bk=24), "tiles.screen_bk"),
                        (TILES_KC._replace(refine_bk=24), "tiles.refine_bk"),
                        (TILES._replace(layout="hk", refine_bk=32), "tiles.refine_bk"),
-                       (TILES._replace(screen_layout="rows"), "tiles.screen_layout")):
+                       (TILES._replace(screen_layout="rows"), "tiles.screen_layout"),
+                       (TILES._replace(refine_slices=0), "tiles.refine_slices"),
+                       (TILES._replace(refine_warps=3), "tiles.refine_warps"),
+                       (TILES._replace(refine_stages=-1), "tiles.refine_stages")):
         with pytest.raises(ValueError, match=field):
             pipeline.dosa_topk(*args, tiles=bad)
     with pytest.raises(ValueError, match="tiles.BQ"):
