@@ -116,10 +116,11 @@ class Tiles(NamedTuple):
     # 59.8 ms, 2 slices 64.2, 4 slices 72.0 (each buffer's records and final compaction cost
     # more than the balance gains)
     refine_slices: int = 1
-    # refinement programs launched longest list first (the GPU starts programs about in id
-    # order, so the long lists no longer end the kernel alone), else in list order. Session 11:
-    # DoSA 63.7 -> 59.8 ms
-    refine_longest_first: bool = True
+    # launch order of the refinement programs (:func:`pallas_kernels.refine.launch_order`:
+    # "list", "longest" first, the "outliers" first, or "auto": longest first for a wave of
+    # few lists, list order for many). Session 11, T=4096, N=1M (512 lists): list order
+    # 63.2 ms, longest first 59.5 ms; T=16K, N=128K (4096 lists): 66.3 / 67.9 ms
+    refine_order: str = "auto"
     # warps and pipeline stages of the refinement kernel (0: num_warps / num_stages); a kc
     # score is one MMA row's head sum in one thread, whatever the warps (checked bitwise on the
     # GPU against the dense kernel)
@@ -160,6 +161,10 @@ def check_tiles(tiles: Tiles) -> Tiles:
         raise ValueError(f"tiles.screen_bq must be 0 or a multiple of 4, got {tiles.screen_bq}")
     if tiles.num_warps not in (1, 2, 4, 8, 16) or tiles.screen_warps not in (1, 2, 4, 8, 16):
         raise ValueError("tiles.num_warps and tiles.screen_warps must be 1, 2, 4, 8 or 16")
+    from pallas_kernels.refine import REFINE_ORDERS
+    if tiles.refine_order not in REFINE_ORDERS:
+        raise ValueError(f"tiles.refine_order must be one of {REFINE_ORDERS}, got "
+                         f"{tiles.refine_order!r}")
     if tiles.refine_warps not in (0, 1, 2, 4, 8, 16):
         raise ValueError(f"tiles.refine_warps must be 0, 1, 2, 4, 8 or 16, got {tiles.refine_warps}")
     if tiles.refine_stages < 0 or tiles.screen_stages < 0:

@@ -484,7 +484,7 @@ def test_dosa_overflow_recovers_exactly(tiles):
 def test_refine_slices_and_launch_order_match_twin():
     """The refinement kernel on hand-made survivor lists (one empty, one shorter than a tile,
     long ones that compact their records, lists of splits of different lengths): cut into 1,
-    2 or 3 slices per list, launched in list order or longest first, the selections agree
+    2 or 3 slices per list, launched in list order, longest first or outliers first, the selections agree
     bitwise with each other and with the twin's up to the scorer's rounding."""
     from pallas_kernels.refine import launch_order, refine, refine_reference
     from pallas_kernels.scoring import score_reference
@@ -520,12 +520,23 @@ def test_refine_slices_and_launch_order_match_twin():
                                  jnp.where(theta0 == THETA_NONE, -jnp.inf, key_to_score(theta0)),
                                  K)
     # longest first: the (group, split) lists by descending length, ties in list order
-    np.testing.assert_array_equal(np.asarray(launch_order(jnp.asarray(count), True)),
+    np.testing.assert_array_equal(np.asarray(launch_order(jnp.asarray(count), "longest")),
                                   [2, 3, 1, 0])
+    np.testing.assert_array_equal(np.asarray(launch_order(jnp.asarray(count), "list")),
+                                  [0, 1, 2, 3])
+    np.testing.assert_array_equal(np.asarray(launch_order(jnp.asarray(count), "auto")),
+                                  [2, 3, 1, 0])             # few lists: longest first
+    many = jnp.arange(2000) % 7
+    np.testing.assert_array_equal(np.asarray(launch_order(many, "auto")), np.arange(2000))
+    # outliers first: the lists above twice the mean (56.5: 290 and 150), longest first, then
+    # the rest in list order
+    np.testing.assert_array_equal(
+        np.asarray(launch_order(jnp.asarray([0, 9, 1, 1, 150, 290, 0, 1]), "outliers")),
+        [5, 4, 0, 1, 2, 3, 6, 7])
     first = None
-    for R, longest in ((1, False), (2, True), (3, True), (3, False)):
+    for R, order in ((1, "list"), (2, "longest"), (3, "outliers"), (3, "list")):
         cand = refine(ops, jnp.asarray(lists), jnp.asarray(count), theta0, K, capacity=48,
-                      tiles=tiles._replace(refine_longest_first=longest), slices=R)
+                      tiles=tiles._replace(refine_order=order), slices=R)
         assert cand.key.shape == (8, S * R, 48)
         idx, sc = records.select_from_records(cand.key, cand.ids, cand.count, K)
         _assert_topk_close(idx, sc, ridx, rsc)
@@ -678,7 +689,8 @@ def test_bad_tiles_are_rejected_naming_the_field():
                        (TILES._replace(screen_layout="rows"), "tiles.screen_layout"),
                        (TILES._replace(refine_slices=0), "tiles.refine_slices"),
                        (TILES._replace(refine_warps=3), "tiles.refine_warps"),
-                       (TILES._replace(refine_stages=-1), "tiles.refine_stages")):
+                       (TILES._replace(refine_stages=-1), "tiles.refine_stages"),
+                       (TILES._replace(refine_order="random"), "tiles.refine_order")):
         with pytest.raises(ValueError, match=field):
             pipeline.dosa_topk(*args, tiles=bad)
     with pytest.raises(ValueError, match="tiles.BQ"):
