@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 9-10 device calls (issue 4). Each call's outputs are tarred into $OUT/${TAG:-s9}_<CALL>.tgz (the
+# Session 9-11 device calls (issue 4). Each call's outputs are tarred into $OUT/${TAG:-s9}_<CALL>.tgz (the
 # device tool returns at most 8 files) and summarised on stdout.
 #   CALL=ab: the new screen's kernel tests and the jit round trips compiled for the GPU, then the
 #     A/B at T=4096, N=1M on the trained indexer (benchmarks/gpu_s7.sh's ablation mode): the
@@ -9,16 +9,18 @@
 #     GPU kernel tests and the budget-class, record-buffer and jit round-trip tests).
 # Usage (device tool): CALL=ab AB_OLD=ab_s8 DOSA_SPECS=... RUNS=... bash benchmarks/gpu_s9.sh
 # Set DOSA_COMMIT=<sha> for CALL=final: the device copy's git metadata can be stale (session 10).
-# TAG names the tarball (s9 by default; s10 in session 10).
+# TAG names the tarball (s9 by default; s10, s11 in sessions 10 and 11).
 set -o pipefail
 root=$OUT
 W=$(mktemp -d)
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda
 case "${CALL:-ab}" in
   ab)
-    timeout ${SCREEN_TEST_TIMEOUT:-150} python -m pytest -o addopts="" -q \
-      tests/test_pallas_kernels.py::test_screen_matches_twin tests/test_screen_classes.py \
-      tests/test_enclosure.py::test_rounding_round_trips_survive_jit -p no:cacheprovider \
+    # AB_TESTS (pytest arguments) replaces the default selection; session 11 used
+    # AB_TESTS='tests/test_pallas_kernels.py -k "refine_slices or predicted_list or overflow"'
+    eval timeout ${SCREEN_TEST_TIMEOUT:-150} python -m pytest -o addopts="" -q \
+      ${AB_TESTS:-tests/test_pallas_kernels.py::test_screen_matches_twin tests/test_screen_classes.py \
+      tests/test_enclosure.py::test_rounding_round_trips_survive_jit} -p no:cacheprovider \
       > $W/tests_screen.txt 2>&1
     echo "screen tests exit $?"; tail -3 $W/tests_screen.txt
     mkdir -p $W/ab

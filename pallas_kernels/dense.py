@@ -56,7 +56,10 @@ class Tiles(NamedTuple):
     tiles, 128-key dense tiles. Session 10 deferred the screen's wgmma wait past the previous
     tile's epilogue, shared the budget within each screening program and wrote the aggregate
     as one column (T=4096, N=1M: DoSA 71.1 -> 62.9 ms); 2 screen stages (3 programs per SM by
-    shared memory) measured slower (45.9 -> 51.5 ms screen).
+    shared memory) measured slower (45.9 -> 51.5 ms screen). Session 11 launched the
+    refinement's programs longest survivor list first when a call has few lists (T=4096, N=1M:
+    DoSA 63.2 -> 59.5 ms); slices of lists, 8 refinement warps and 2 refinement stages were
+    slower or no faster.
     """
 
     BQ: int = 4          # queries per program (refinement group size, paper Sec. 3)

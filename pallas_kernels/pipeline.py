@@ -19,8 +19,9 @@ queries are answered by a full dense scan (counted as an overflow and a
 recovery): no candidate is ever lost. A group with a query that cannot prune
 (no τ, a failed guard) or whose sample predicts survival above
 :data:`DIRECT_SURVIVAL` skips the screen and goes to that dense scan at once
-(counted as a recovery); so does a group whose sample predicts a survivor list
-fuller than :data:`DIRECT_LIST_USE` of its capacity (:func:`predicted_list_use`).
+(counted as a recovery); so can a group whose sample predicts a survivor list
+fuller than :data:`DIRECT_LIST_USE` of its capacity (:func:`predicted_list_use`;
+off by default, measured no faster).
 
 The planner's sample (activation frequencies, budget) is a strided sample of
 each query's visible range scored in float32 and scaled by α_i, as in the
@@ -125,7 +126,11 @@ DIRECT_SURVIVAL = 0.5
 
 #: A group whose predicted survivor count (:func:`predicted_list_use`) exceeds this share of
 #: its list capacity (all splits) is scanned densely from θ₀ = τ at once instead of screened.
-DIRECT_LIST_USE = 0.8
+#: Off (+inf) by default: on the H200 (session 11, T=16K) 0.8 sent 3 groups straight to dense
+#: at N=128K (where 2 had overflowed; DoSA 66.3 -> 66.0 ms) and one at 256K that would not
+#: have overflowed (its rescan, one program per group over all keys, took recovery and
+#: selection from 2 to 7.3 ms). A rescan costs that latency however a group gets there.
+DIRECT_LIST_USE = float("inf")
 
 
 def predicted_list_use(kept, valid, lo, hi, Tpad4: int):

@@ -10,6 +10,10 @@ mask bit is set, records with ``s ≥ τ`` (order key ≥ θ₀) to that query's
 buffer with the online threshold of :mod:`pallas_kernels.records`. One key
 load serves the 4 queries whenever the key survived for any of them.
 
+Programs take the lists in a launch order (:func:`launch_order`: the longest first when a
+call has few lists, so that the long ones do not end the kernel alone) and may cut each list
+into slices with their own record buffers (``Tiles.refine_slices``).
+
 The seeds (τ, Eq. 2) are scored by :mod:`pallas_kernels.seeds` with the same
 routine and list format, without record buffers.
 
