@@ -371,6 +371,17 @@ def test_group_witnesses_follow_their_queries():
     assert group_witnesses(8) is None
 
 
+def test_compact_front_equals_a_stable_sort_by_keep():
+    from pallas_kernels.seeds import compact_front
+    rng = np.random.default_rng(8)
+    vals = rng.integers(0, 1 << 30, (5, 37)).astype(np.int32)
+    keep = rng.random((5, 37)) < np.array([[0.0], [1.0], [0.5], [0.1], [0.9]])
+    got = np.asarray(compact_front(jnp.asarray(np.where(keep, vals, -1)), jnp.asarray(keep)))
+    order = np.argsort(~keep, axis=1, kind="stable")
+    want = np.take_along_axis(np.where(keep, vals, -1), order, axis=1)
+    np.testing.assert_array_equal(got, want)
+
+
 def test_group_seed_lists_with_witnesses_count_each_visible_key_once():
     """Witnesses already in the layout or seen by no query are dropped; every query's entries
     are distinct visible keys, and each visible witness is among them."""
