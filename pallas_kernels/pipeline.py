@@ -38,7 +38,7 @@ from dosa_jax import enclosure as enc
 from dosa_jax import numerics as nm
 from dosa_jax import seeds as seeds_mod
 from dosa_jax.bounds.heads import activation_frequencies
-from dosa_jax.budget import sample_survivors
+from dosa_jax.budget import estimated_survival, sample_survivors
 from dosa_jax.pipeline import Stats
 from dosa_jax.planner import build_plan
 from dosa_jax.selection import INT32_MIN, key_to_score
@@ -51,7 +51,8 @@ from pallas_kernels.refine import refine
 from pallas_kernels.screen import (Survivors, aggregate_column_count, aggregate_columns,
                                    compact_masks, prepare_screen, screen_masks,
                                    screen_queries_per_program, screen_rows)
-from pallas_kernels.seeds import group_seed_lists, group_witnesses, seed_threshold
+from pallas_kernels.seeds import (group_ranges, group_seed_lists, group_witnesses,
+                                  seed_threshold)
 
 #: Survivor-list budget (entries, int32) over all groups and splits: 1 GiB.
 SURVIVOR_BUDGET = 1 << 28
@@ -151,13 +152,9 @@ def predicted_list_use(kept, valid, lo, hi, Tpad4: int):
     v4 = jnp.pad(valid, ((0, pad), (0, 0))).reshape(G4, 4, -1)
     union = jnp.sum(jnp.any(k4, axis=1), axis=1) / jnp.maximum(
         jnp.sum(jnp.any(v4, axis=1), axis=1), 1)
-    ne = hi > lo
-    big = jnp.iinfo(jnp.int32).max
-    glo = jnp.min(jnp.pad(jnp.where(ne, lo, big), (0, pad), constant_values=big).reshape(G4, 4),
-                  axis=1)
-    ghi = jnp.max(jnp.pad(jnp.where(ne, hi, 0), (0, pad)).reshape(G4, 4), axis=1)
-    span = jnp.maximum(ghi - glo, 0).astype(jnp.float32)
-    return union * span
+    _, glo, ghi, _ = group_ranges(jnp.pad(lo, (0, pad)).reshape(G4, 4),
+                                  jnp.pad(hi, (0, pad)).reshape(G4, 4))
+    return union * jnp.maximum(ghi - glo, 0).astype(jnp.float32)
 
 
 def _score_key(theta):
@@ -443,16 +440,18 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     theta_tau = jnp.where(prune, tau_key, THETA_NONE)
     # queries that cannot prune, or whose sample says most keys survive, go straight to
     # the dense scan (from θ₀ = τ) with their group of 4: exact either way, only faster
-    kept = jax.vmap(sample_survivors)(sdots, snorm, svalid, tau, details)   # [T, P]
-    est = jnp.sum(kept, axis=1) / jnp.maximum(jnp.sum(svalid, axis=1), 1)
+    est = jax.vmap(estimated_survival)(sdots, snorm, svalid, tau, details)
     nonempty = hi > lo
     direct_q = nonempty & (~prune | (est > DIRECT_SURVIVAL))
     direct_g = jnp.any(jnp.pad(direct_q, (0, Tpad4 - T)).reshape(G4, 4), axis=1)
-    # a group whose survivor list would likely overflow goes too (its union, not any one
-    # query, fills the list; an overflow costs the screen, the refinement and the rescan)
+    # a group whose survivor list would likely overflow may go too (its union, not any one
+    # query, fills the list); the rule is off by default (DIRECT_LIST_USE) and then costs nothing
     Cs = survivor_capacity(N, T, S, K, config.capacity)
-    use = predicted_list_use(kept, svalid, lo, hi, Tpad4)
-    direct_g = direct_g | (use > DIRECT_LIST_USE * Cs * S)
+    use = None
+    if DIRECT_LIST_USE != float("inf"):
+        kept = jax.vmap(sample_survivors)(sdots, snorm, svalid, tau, details)   # [T, P]
+        use = predicted_list_use(kept, svalid, lo, hi, Tpad4)
+        direct_g = direct_g | (use > DIRECT_LIST_USE * Cs * S)
     direct = jnp.repeat(direct_g, 4)[:T]
 
     # 3. screen (direct groups see no keys here), one kernel per budget class

@@ -169,22 +169,22 @@ def _refine_call(q, w, theta0, lists, list_count, k, scale, *, K, capacity, tile
 
 
 def refine(ops: Operands, lists: Array, list_count: Array, theta0: Array, K: int, *,
-           capacity=None, tiles: Tiles = Tiles(), interpret=None, slices=None) -> Candidates:
+           capacity=None, tiles: Tiles = Tiles(), interpret=None) -> Candidates:
     """Score the keys of packed lists [G4, S, Cl] for their queries; keep order key ≥ θ₀.
 
     ``ops`` must be prepared with ``tiles.BQ == 4`` (the group size of the lists). Each list
-    is cut into ``slices`` (default ``tiles.refine_slices``) consecutive slices of whole tiles,
-    one program and one record buffer each: the candidates come as [T, S·slices, C], buffer
-    ``s·slices + r`` holding slice r of split s (ascending id ranges, as
+    is cut into R = ``tiles.refine_slices`` consecutive slices of whole tiles, one program
+    and one record buffer each: the candidates come as [T, S·R, C], buffer ``s·R + r``
+    holding slice r of split s (ascending id ranges, as
     :func:`pallas_kernels.records.select_from_records` needs).
     """
     if tiles.BQ != 4:
         raise ValueError("refinement groups are 4 queries (tiles.BQ must be 4)")
     if interpret is None:
         interpret = interpret_default()
-    R = tiles.refine_slices if slices is None else int(slices)
+    R = tiles.refine_slices
     if R < 1:
-        raise ValueError(f"slices must be >= 1, got {slices}")
+        raise ValueError(f"tiles.refine_slices must be >= 1, got {R}")
     if tiles.refine_bk and not interpret:
         # on the GPU a kc score does not depend on the tile's key count (checked bitwise by the
         # GPU tests); interpret mode's dot (XLA on CPU) may sum in another order for another

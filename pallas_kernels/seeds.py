@@ -69,6 +69,15 @@ def _group_visibility(ids, lo4, hi4, valid):
 
 # ------------------------------------------------------------------ seed lists
 
+def group_ranges(lo4: Array, hi4: Array):
+    """Over each group's non-empty ranges ([G4, 4] lo/hi): (non-empty [G4, 4], min lo,
+    max hi, min hi [G4]); a group with no visible key gets min lo 2^31 − 1, max hi 0."""
+    ne = hi4 > lo4
+    big = 2 ** 31 - 1
+    return (ne, jnp.min(jnp.where(ne, lo4, big), axis=1), jnp.max(jnp.where(ne, hi4, 0), axis=1),
+            jnp.min(jnp.where(ne, hi4, big), axis=1))
+
+
 def group_seed_lists(lo: Array, hi: Array, Tpad: int, size: int, sinks: int, local: int,
                      block: int, witnesses=None):
     """Shared seed list of each group of 4 queries: sinks, strided middle, local window,
@@ -96,10 +105,7 @@ def group_seed_lists(lo: Array, hi: Array, Tpad: int, size: int, sinks: int, loc
     hi = jnp.pad(hi, (0, Tpad - T))
     G4 = Tpad // 4
     lo4, hi4 = lo.reshape(G4, 4), hi.reshape(G4, 4)
-    ne = hi4 > lo4
-    lo_min = jnp.min(jnp.where(ne, lo4, 2 ** 31 - 1), axis=1)
-    hi_max = jnp.max(jnp.where(ne, hi4, 0), axis=1)
-    hi_min = jnp.min(jnp.where(ne, hi4, 2 ** 31 - 1), axis=1)
+    ne, lo_min, hi_max, hi_min = group_ranges(lo4, hi4)
     a = min(sinks, size)
     b = min(local, size - a)
     c = size - a - b

@@ -547,7 +547,7 @@ def test_refine_slices_and_launch_order_match_twin():
     first = None
     for R, order in ((1, "list"), (2, "longest"), (3, "outliers"), (3, "list")):
         cand = refine(ops, jnp.asarray(lists), jnp.asarray(count), theta0, K, capacity=48,
-                      tiles=tiles._replace(refine_order=order), slices=R)
+                      tiles=tiles._replace(refine_order=order, refine_slices=R))
         assert cand.key.shape == (8, S * R, 48)
         idx, sc = records.select_from_records(cand.key, cand.ids, cand.count, K)
         _assert_topk_close(idx, sc, ridx, rsc)
@@ -561,7 +561,8 @@ def test_refine_slices_and_launch_order_match_twin():
             jnp.where(theta0 == THETA_NONE, -jnp.inf, key_to_score(theta0)))[:, None])
         assert np.all(np.asarray(cand.appended).sum(1) >= np.minimum(ok.sum(1), K))
     with pytest.raises(ValueError, match="slices"):
-        refine(ops, jnp.asarray(lists), jnp.asarray(count), theta0, K, tiles=tiles, slices=0)
+        refine(ops, jnp.asarray(lists), jnp.asarray(count), theta0, K,
+               tiles=tiles._replace(refine_slices=0))
 
 
 def test_predicted_list_use_is_the_groups_sample_union_times_its_range():
