@@ -71,6 +71,90 @@ def call_spans(pd, iters: int):
     return times
 
 
+def _stat_text(e, keys=("tf_op", "hlo_op", "name_stack", "long_name")):
+    """``key=value`` of those of ``keys`` among an event's stats, else ''."""
+    try:
+        stats = dict(e.stats)
+    except Exception:  # noqa: BLE001
+        return ""
+    return " ".join(f"{k}={stats[k]}" for k in keys if stats.get(k))
+
+
+def breakdown(pd, iters: int, top: int = 30):
+    """Per-kernel device time of the annotated calls of a trace, averaged over the calls.
+
+    Returns a dict: ``span_ms`` (median call span), ``busy_ms`` (mean union of the call's
+    stream activities: the time some stream works), ``idle_ms`` (span − busy: launch gaps and
+    host round trips such as a ``lax.cond`` predicate or a while loop's condition),
+    ``launches`` (mean activities per call) and ``kernels``: the ``top`` names by mean time
+    per call, each ``[name, ms, count, op]`` (op: the event's ``tf_op``/``hlo_op`` stat, the
+    jax name stack where XLA records it). ``None`` without GPU activity records.
+    """
+    wins = _call_windows(pd)
+    evs = []
+    for plane in pd.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):
+                continue
+            for e in line.events:
+                evs.append((e.start_ns, e.start_ns + e.duration_ns, e.name, e))
+    if not evs or len(wins) != iters:
+        return None
+    evs.sort(key=lambda x: x[0])
+    per, spans, busy, launches, ops = {}, [], [], [], {}
+    for i, (s, _) in enumerate(wins):
+        nxt = wins[i + 1][0] if i + 1 < iters else float("inf")
+        mine = [x for x in evs if s <= x[0] < nxt]
+        if not mine:
+            return None
+        spans.append((max(x[1] for x in mine) - mine[0][0]) * 1e-6)
+        b, cur_s, cur_e = 0, None, None
+        for a, z, name, e in mine:
+            per.setdefault(name, [0.0, 0])
+            per[name][0] += (z - a) * 1e-6
+            per[name][1] += 1
+            if name not in ops:
+                ops[name] = _stat_text(e)
+            if cur_e is None or a > cur_e:
+                if cur_e is not None:
+                    b += cur_e - cur_s
+                cur_s, cur_e = a, z
+            else:
+                cur_e = max(cur_e, z)
+        b += cur_e - cur_s
+        busy.append(b * 1e-6)
+        launches.append(len(mine))
+    rows = sorted(([n, v[0] / iters, v[1] / iters, ops[n][:240]] for n, v in per.items()),
+                  key=lambda r: -r[1])
+    spans.sort()
+    mean = lambda x: sum(x) / len(x)
+    return dict(span_ms=spans[len(spans) // 2], busy_ms=mean(busy),
+                idle_ms=mean(spans) - mean(busy), launches=mean(launches),
+                kernels=rows[:top], other_ms=sum(r[1] for r in rows[top:]))
+
+
+def device_breakdown(fn, *args, warmup: int = 2, iters: int = 3, top: int = 30):
+    """:func:`breakdown` of ``iters`` calls of ``fn`` (after ``warmup``), or ``None`` without a
+    GPU."""
+    from jax._src.profiler import ProfileData
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    d = tempfile.mkdtemp(prefix="dosa_breakdown_")
+    try:
+        with jax.profiler.trace(d):
+            for i in range(iters):
+                with jax.profiler.TraceAnnotation(f"{_TAG}{i}"):
+                    jax.block_until_ready(fn(*args))
+        files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+        if not files:
+            return None
+        return breakdown(ProfileData.from_file(files[0]), iters, top)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def device_times(fn, *args, warmup: int = 2, iters: int = 10):
     """Per-call times in seconds: (device [iters] or ``None`` without GPU records, wall [iters]).
 

@@ -2,6 +2,7 @@
 
     python -m benchmarks.profile_kernels --T 4096 --N 1048576 [--data trained:code:2] \
         [--tiles kc:4:64:4:3,...] [--dosa kc:64:4:3:kc:4:4,...] [--stages] [--runs a,b] [--ncu]
+        [--kernels 30]
 
 Times (median of ``--iters`` after 2 warm-up calls, wall time around
 ``block_until_ready``) at the shape:
@@ -16,6 +17,10 @@ Times (median of ``--iters`` after 2 warm-up calls, wall time around
   no survivor (τ = +inf: ``dosa_until_screen_nowrite``), and cut after a refinement
   that appends no record (θ₀ above every score: the gathers, scores and accept tests
   run, no append, no compaction: ``dosa_until_refine_norecords``).
+
+With ``--kernels N`` each timed run is traced three more times and its N costliest kernels
+(device ms per call, launches, XLA's op name), its busy and idle device time are printed
+(:func:`benchmarks.devtime.device_breakdown`).
 
 With ``--ncu`` the script runs each jitted function once (for Nsight Compute;
 it then times nothing). Output: a JSON line per measurement on stdout.
@@ -89,6 +94,9 @@ def main(argv=None):
     ap.add_argument("--runs", default="", help="comma-separated run names to keep (default all)")
     ap.add_argument("--stages", action="store_true", help="time DoSA cut after each stage")
     ap.add_argument("--ncu", action="store_true")
+    ap.add_argument("--kernels", type=int, default=0,
+                    help="after timing each run, print its top N kernels by device time per call "
+                         "and its idle time (benchmarks.devtime.device_breakdown)")
     a = ap.parse_args(argv)
     shape = Shape("prof", a.T, a.N)
     inp = make_inputs(shape, a.data)
@@ -184,6 +192,10 @@ def main(argv=None):
                 print(json.dumps(dict(name=name, ncu=True)), flush=True)
             else:
                 report(name, _time(f, *args, iters=a.iters))
+                if a.kernels:
+                    from benchmarks.devtime import device_breakdown
+                    print(json.dumps(dict(name=f"kernels@{name}", **(device_breakdown(
+                        f, *args, warmup=0, iters=3, top=a.kernels) or {}))), flush=True)
         except Exception as e:  # noqa: BLE001
             print(json.dumps(dict(name=name, error=repr(e)[:400])), flush=True)
 

@@ -199,9 +199,22 @@ class Operands(NamedTuple):
     lane_sums: bool = False   # q/w rows in common.lane_aligned_order per group of BQ ("kc")
 
 
+def prepare_key_operands(k, k_scale, mma_dtype=jnp.bfloat16, widen_fp8: bool = True):
+    """The key side of :func:`prepare_operands`: (MMA pieces [Pk, N, Dp], scale [N] float32).
+
+    Computed once per call and shared by the waves of :func:`pallas_kernels.pipeline.dosa_topk`
+    (XLA does not hoist the fp8 → bf16 widening, which doubles the bytes, out of a loop).
+    """
+    Dp = max(16, next_pow2(k.shape[-1]))
+    kp = pad_axis(mma_pieces(k, mma_dtype, widen_fp8), 2, Dp)
+    scale = (jnp.ones((k.shape[0],), jnp.float32) if k_scale is None
+             else k_scale.astype(jnp.float32))
+    return kp, scale
+
+
 def prepare_operands(q, w, k, k_scale, BQ: int, mma_dtype=jnp.bfloat16,
                      layout: str = "hk", widen_fp8: bool = True,
-                     lane_sums: bool = False) -> Operands:
+                     lane_sums: bool = False, keys=None) -> Operands:
     """Pieces, pads (heads to a power of two with zero weights, D to ≥ 16, T to BQ).
 
     ``layout="kh"`` multiplies keys by one query's H heads, so H is padded to ≥ 16.
@@ -209,6 +222,8 @@ def prepare_operands(q, w, k, k_scale, BQ: int, mma_dtype=jnp.bfloat16,
     (:func:`pallas_kernels.common.mma_pieces`).
     ``lane_sums`` (``"kc"``): each group's BQ·H query rows and weights in
     :func:`pallas_kernels.common.lane_aligned_order` (the kernels follow ``ops.lane_sums``).
+    ``keys``: :func:`prepare_key_operands` of the same ``k``, ``k_scale``, ``mma_dtype`` and
+    ``widen_fp8``, computed before (``k`` is then only read for its shape).
     """
     T, H, D = q.shape
     Hp = next_pow2(max(H, 1))
@@ -217,12 +232,10 @@ def prepare_operands(q, w, k, k_scale, BQ: int, mma_dtype=jnp.bfloat16,
     Dp = max(16, next_pow2(D))
     Tpad = round_up(max(T, 1), BQ)
     qp = mma_pieces(q, mma_dtype, widen_fp8)
-    kp = mma_pieces(k, mma_dtype, widen_fp8)
+    kp, scale = keys if keys is not None else prepare_key_operands(k, k_scale, mma_dtype,
+                                                                   widen_fp8)
     qp = pad_axis(pad_axis(pad_axis(qp, 3, Dp), 2, Hp), 1, Tpad)
-    kp = pad_axis(kp, 2, Dp)
     wp = pad_axis(pad_axis(w.astype(jnp.float32), 1, Hp), 0, Tpad)
-    scale = (jnp.ones((k.shape[0],), jnp.float32) if k_scale is None
-             else k_scale.astype(jnp.float32))
     qp = qp.reshape(qp.shape[0], Tpad * Hp, Dp)
     wp = wp.reshape(Tpad * Hp)
     lane_sums = bool(lane_sums) and layout == "kc" and lane_sums_apply(BQ, Hp)

@@ -30,6 +30,8 @@ reference pipeline; the seeds are a biased sample (mostly the local window).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -46,7 +48,7 @@ from pallas_kernels import dense as dense_mod
 from pallas_kernels import numerics as knum
 from pallas_kernels import records as rec
 from pallas_kernels.common import MAX_KEYS, THETA_NONE, next_pow2, round_up
-from pallas_kernels.dense import Tiles, prepare_operands
+from pallas_kernels.dense import Tiles, prepare_key_operands, prepare_operands
 from pallas_kernels.refine import refine
 from pallas_kernels.screen import (Survivors, aggregate_column_count, aggregate_columns,
                                    compact_masks, prepare_screen, screen_masks,
@@ -157,6 +159,12 @@ def predicted_list_use(kept, valid, lo, hi, Tpad4: int):
     return union * jnp.maximum(ghi - glo, 0).astype(jnp.float32)
 
 
+def _named(fn, stage: str):
+    """``fn`` under the name scope ``dosa_<stage>`` (XLA's op names, so that a profile of the
+    pipeline (``benchmarks.profile_kernels --kernels``) attributes each kernel to its stage)."""
+    return jax.named_call(fn, name=f"dosa_{stage}")
+
+
 def _score_key(theta):
     """Order-key threshold -> float (THETA_NONE -> -inf)."""
     return jnp.where(theta > THETA_NONE, key_to_score(theta), -jnp.inf)
@@ -262,10 +270,13 @@ def dosa_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), split
              padq(lo.astype(jnp.int32)).reshape(n, Tw), padq(hi.astype(jnp.int32)).reshape(n, Tw),
              wit)
 
+    keyside = key_side(k, k_scale, tiles)   # once, outside the waves' loop
+
     def one(args):
         qw, ww, low, hiw, ws = args
         return _dosa_wave(qw, k, ww, k_scale, low, hiw, config, tiles=tiles, splits=splits,
-                          interpret=interpret, stop_after=stop_after, witnesses=ws)
+                          interpret=interpret, stop_after=stop_after, witnesses=ws,
+                          keyside=keyside)
 
     out = lax.map(one, waves)
     return jax.tree_util.tree_map(lambda a: a.reshape((n * Tw,) + a.shape[2:])[:T], out)
@@ -379,9 +390,29 @@ def anchor_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, interpret=Non
                                 splits=S, interpret=interpret)[0]
 
 
+class KeySide(NamedTuple):
+    """What DoSA computes from the keys alone, once per call (not once per wave)."""
+
+    operands: tuple         # prepare_key_operands: (MMA pieces [Pk, N, Dp], scale [N])
+    norm: jax.Array         # [N] n_i ≥ ‖k̄_i‖ (enclosure.key_norm_upper)
+    bad_prefix: object      # [N + 1] int32 prefix count of invalid scales, None without scales
+
+
+def key_side(k, k_scale, tiles: Tiles) -> "KeySide":
+    """:class:`KeySide` of the keys (widened pieces, norms, invalid-scale prefix counts)."""
+    bad_prefix = None
+    if k_scale is not None:
+        bad = (~enc.scale_is_valid(k_scale)).astype(jnp.int32)
+        bad_prefix = jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                                      jnp.cumsum(bad, dtype=jnp.int32)])
+    return KeySide(prepare_key_operands(k, k_scale, widen_fp8=tiles.widen_fp8),
+                   enc.key_norm_upper(k), bad_prefix)
+
+
 def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interpret,
-               return_details: bool = False, stop_after=None, witnesses=None):
-    """One wave of :func:`dosa_topk` (all of its queries' lists live at once)."""
+               return_details: bool = False, stop_after=None, witnesses=None, keyside=None):
+    """One wave of :func:`dosa_topk` (all of its queries' lists live at once); ``keyside``
+    (:func:`key_side`) is computed here when not given."""
     K = config.top_k
     T, H, D = q.shape
     N = k.shape[0]
@@ -393,15 +424,17 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     A = aggregate_column_count(single, absolute, hi_only)
     config = screen_friendly(config, H, A=A)
     S = splits or dense_mod.default_splits(T, N, tiles.BQ, tiles.BK)
+    keyside = key_side(k, k_scale, tiles) if keyside is None else keyside
     ops = prepare_operands(q, w, k, k_scale, tiles.BQ, layout=tiles.layout,
-                           widen_fp8=tiles.widen_fp8, lane_sums=tiles.lane_sums)
+                           widen_fp8=tiles.widen_fp8, lane_sums=tiles.lane_sums,
+                           keys=keyside.operands)
     Tpad4 = ops.q.shape[1] // ops.H
     G4 = Tpad4 // 4
     lo = lo.astype(jnp.int32)
     hi = hi.astype(jnp.int32)
 
     # 1. seeds: τ = K-th largest seed score (Eq. 2), scored by the shared routine
-    tau_key, n_eligible, n_seeds = seed_tau_key(ops, lo, hi, config, tiles=tiles,
+    tau_key, n_eligible, n_seeds = _named(seed_tau_key, "seeds")(ops, lo, hi, config, tiles=tiles,
                                                 interpret=interpret, witnesses=witnesses)
     have_tau = n_eligible >= K
     tau = jnp.where(have_tau, _score_key(tau_key), -jnp.inf)
@@ -409,15 +442,15 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
         return dict(tau=tau, count=n_eligible)
 
     # 2. plan (query side) + this backend's arithmetic allowance
-    knorm = enc.key_norm_upper(k)
-    dots, valid, sdots, snorm, svalid = _plan_sample(q, k, k_scale, knorm, lo, hi, config)
+    knorm = keyside.norm
+    dots, valid, sdots, snorm, svalid = _named(_plan_sample, "plan_sample")(q, k, k_scale, knorm, lo, hi, config)
     p = jax.vmap(activation_frequencies)(dots, valid)
     # the automatic budget, priced for this backend: one budget per screening program (the
     # kernel pays for its largest one anyway; tiles.shared_budget), survivors weighted by κ
     B = (max(_class_program_queries(config.budgets(H), A, T, tiles).values())
          if tiles.shared_budget else 1)
     kappa = SURVIVOR_COST if config.survivor_cost is None else config.survivor_cost
-    plan, details, budget = build_plan(q.astype(jnp.float32), w, p, config, sample_dots=sdots,
+    plan, details, budget = _named(build_plan, "plan")(q.astype(jnp.float32), w, p, config, sample_dots=sdots,
                                        sample_norms=snorm, sample_valid=svalid, tau=tau,
                                        program_queries=B, survivor_weight=kappa)
     # the negative aggregate as ReLU columns with weights ±1 (split into bf16 hi + lo with
@@ -429,12 +462,10 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
         4.0 * D * agg_cols.shape[1] * nm.ETA32))   # the extra columns' flushed results
     coef = knum.kernel_coefficient(q, w, plan, k.dtype, single_piece=single, aggregate=agg_cols,
                                    aggregate_error=agg_err)
-    if k_scale is None:
+    if keyside.bad_prefix is None:
         bad_scale = jnp.zeros((T,), bool)
     else:
-        bad = (~enc.scale_is_valid(k_scale)).astype(jnp.int32)
-        prefix = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(bad, dtype=jnp.int32)])
-        bad_scale = (prefix[hi] - prefix[lo]) > 0
+        bad_scale = (keyside.bad_prefix[hi] - keyside.bad_prefix[lo]) > 0
     prune = (plan.prune & have_tau & ~bad_scale & jnp.isfinite(coef) & jnp.isfinite(tau)
              & jnp.isfinite(eps))
     theta_tau = jnp.where(prune, tau_key, THETA_NONE)
@@ -457,7 +488,7 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     # 3. screen (direct groups see no keys here), one kernel per budget class
     slo = jnp.where(direct, 0, lo)
     shi = jnp.where(direct, 0, hi)
-    surv = screen_by_budget(plan, budget, config.budgets(H), agg_cols, agg_w, coef, eps, tau,
+    surv = _named(screen_by_budget, "screen")(plan, budget, config.budgets(H), agg_cols, agg_w, coef, eps, tau,
                             prune, slo, shi, ops, knorm, splits=S, capacity=Cs,
                             single_piece=single, tiles=tiles, interpret=interpret)
     slists, scount = surv.packed[:G4], surv.count[:G4]
@@ -469,7 +500,7 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     # 4. refine survivors: s ≥ τ records, online threshold (record buffers of the recovery's
     # size, also when the refinement tiles are longer than the dense ones)
     C = dense_mod.capacity_for(K, max(tiles.BK, tiles.refine_bk), tiles.record_slots or None)
-    cand = refine(ops, slists, scount, theta_tau, K, capacity=C, tiles=tiles, interpret=interpret)
+    cand = _named(refine, "refine")(ops, slists, scount, theta_tau, K, capacity=C, tiles=tiles, interpret=interpret)
     if stop_after == "refine":
         return dict(tau=tau, count=cand.count[:T], key=cand.key[:T])
 
@@ -489,10 +520,10 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
                               jnp.where(recover[:, None], d.theta, c.theta),
                               jnp.where(recover[:, None], d.appended, c.appended))
 
-    cand = lax.cond(jnp.any(recover), recover_fn, lambda c: c, cand)
+    cand = lax.cond(jnp.any(recover), _named(recover_fn, "recovery"), lambda c: c, cand)
 
     # 6. exact selection
-    idx, sc = rec.select_from_records(cand.key, cand.ids, cand.count, K)
+    idx, sc = _named(rec.select_from_records, "select")(cand.key, cand.ids, cand.count, K)
     n_vis = hi - lo
     kth = idx[:, K - 1] >= 0
     rint = recover.astype(jnp.int32)

@@ -14,10 +14,12 @@ kernel, and an exact K-th-largest search — each beside its jnp twin.
    give the same (query, key)) and writes each query's order keys into its own
    row ``[T, L]`` (``INT32_MIN`` where the query does not see the slot's key or
    the score is NaN): contiguous stores, no compaction, no threshold.
-3. :func:`kth_largest_keys` (jnp) — per row, the largest order key t with
-   ``#{key ≥ t} ≥ K`` by a 4-bit radix descent (8 passes of 15 counts over the
-   row), i.e. the K-th largest eligible key; ``THETA_NONE`` when fewer than K
-   are eligible (no τ: the query does not prune).
+3. :func:`kth_largest_keys_kernel` (Pallas Triton; twin :func:`kth_largest_keys`,
+   jnp) — per row, the largest order key t with ``#{key ≥ t} ≥ K``, i.e. the
+   K-th largest eligible key, by a 32-step bitwise descent over the row held in
+   registers (the twin: a 4-bit radix descent, 8 passes of 15 counts over the
+   row); ``THETA_NONE`` when fewer than K are eligible (no τ: the query does not
+   prune).
 
 Until session 5 the seeds ran through the refinement kernel's record buffers
 with the online threshold (K + 8·BK slots, a 32-pass binary search per
@@ -301,6 +303,61 @@ def kth_largest_keys(keys: Array, k: int, *, bits: int = RADIX_BITS):
     return jnp.where(count >= k, kth, jnp.int32(THETA_NONE)), count
 
 
+#: Widest row (power of two) :func:`kth_largest_keys_kernel` keeps in registers (4 warps:
+#: 64 int32 per thread at 8192, 8 warps above); wider rows fall back to the jnp descent.
+KTH_MAX_ROW = 16384
+
+
+def _kth_kernel(k_ref, kth_ref, cnt_ref, *, L: int, LP: int, K: int):
+    r = pl.program_id(0)
+    cols = jnp.arange(LP, dtype=jnp.int32)
+    inb = cols < L
+    x = rec._plgpu().load(k_ref.at[rec.masked_index(r * L + cols, inb, k_ref.shape[0])],
+                          mask=inb, other=INT32_MIN)                        # row r, [LP]
+    sign = jnp.int32(INT32_MIN)
+
+    def bit(i, t):   # decide bit 31 − i of the unsigned order (key ^ 0x80000000)
+        cand = t | lax.shift_left(jnp.int32(1), 31 - i)
+        n = jnp.sum((x >= (cand ^ sign)).astype(jnp.int32))                # #{key ≥ cand}
+        return jnp.where(n >= K, cand, t)
+
+    t = lax.fori_loop(0, 32, bit, jnp.int32(0))
+    count = jnp.sum((x != INT32_MIN).astype(jnp.int32))
+    kth_ref[pl.ds(r, 1)] = jnp.full((1,), jnp.where(count >= K, t ^ sign, jnp.int32(THETA_NONE)),
+                                    jnp.int32)
+    cnt_ref[pl.ds(r, 1)] = jnp.full((1,), count, jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "interpret"))
+def _kth_call(keys, *, k, interpret):
+    T, L = keys.shape
+    LP = max(16, 1 << (L - 1).bit_length())
+    kern = functools.partial(_kth_kernel, L=L, LP=LP, K=k)
+    return pl.pallas_call(
+        kern, grid=(T,),
+        out_shape=(jax.ShapeDtypeStruct((T,), jnp.int32), jax.ShapeDtypeStruct((T,), jnp.int32)),
+        compiler_params=compiler_params(4 if LP <= 8192 else 8, 1), interpret=interpret,
+        name="dosa_kth_largest")(keys.reshape(-1))
+
+
+def kth_largest_keys_kernel(keys: Array, k: int, *, interpret=None):
+    """:func:`kth_largest_keys` as a Pallas Triton kernel (its twin): one program per row, the
+    row in registers, a 32-step bitwise descent (one count over the row per bit, in the
+    unsigned order ``key ^ 0x80000000`` compared as signed keys). Same answers, bit for bit.
+
+    The jnp descent (8 passes of 15 counts, each an XLA reduction over the [T, L] keys) took
+    5.2 ms at T = 16K, L = 8192 on the H200 (session 12's profile of the seeded dense scan).
+    Rows wider than :data:`KTH_MAX_ROW` use the jnp descent.
+    """
+    keys = keys.astype(jnp.int32)
+    if (keys.ndim != 2 or keys.shape[-1] > KTH_MAX_ROW or keys.shape[0] == 0
+            or keys.size >= 2 ** 31):
+        return kth_largest_keys(keys, k)
+    if interpret is None:
+        interpret = interpret_default()
+    return _kth_call(keys, k=int(k), interpret=interpret)
+
+
 def seed_threshold(ops: Operands, lists: Array, list_count: Array, K: int, *,
                    tiles: Tiles = Tiles(), interpret=None):
     """τ of every query as an order key (Eq. 2) and its eligible seed count ([T] each).
@@ -308,4 +365,4 @@ def seed_threshold(ops: Operands, lists: Array, list_count: Array, K: int, *,
     ``THETA_NONE`` (and a count < K) where the query sees fewer than K eligible seeds.
     """
     keys = seed_scores(ops, lists, list_count, tiles=tiles, interpret=interpret)
-    return kth_largest_keys(keys, K)
+    return kth_largest_keys_kernel(keys, K, interpret=interpret)

@@ -58,3 +58,23 @@ def test_device_times_without_gpu_records_fall_back_to_the_wall_clock():
         assert len(dev) == 3 and all(0 < d <= w for d, w in zip(dev, wall))
     else:
         assert dev is None
+
+
+def test_breakdown_sums_kernels_per_call_and_counts_idle_gaps():
+    """Per-call kernel time (all events share the metadata name "fusion" here), busy time as
+    the union of overlapping stream activities, idle time as span − busy."""
+    pd = _trace([(1000, 5000), (7000, 5000)],
+                {"Stream #13(compute)": [(2000, 2000), (8000, 1000)],
+                 "Stream #14(memcpy)": [(3500, 1500), (10000, 1000)]},
+                xla_ops=[(0, 20000)])
+    b = devtime.breakdown(pd, 2)
+    # call 0: [2000, 4000) and [3500, 5000) overlap: busy 3000 ns, span 3000, idle 0
+    # call 1: [8000, 9000) and [10000, 11000): busy 2000 ns, span 3000, idle 1000
+    assert b["span_ms"] == pytest.approx(3000e-6)
+    assert b["busy_ms"] == pytest.approx(2500e-6)
+    assert b["idle_ms"] == pytest.approx(500e-6)
+    assert b["launches"] == 2
+    (name, ms, count, _), = b["kernels"]
+    assert name == "fusion" and count == 2
+    assert ms == pytest.approx((3500 + 2000) * 1e-6 / 2)
+    assert devtime.breakdown(_trace([(0, 10)], {}), 1) is None

@@ -203,6 +203,39 @@ def test_screen_matches_twin(single_piece, layout, bq, lane_sums, absolute, defe
     assert int(jnp.max(scount)) > 16
 
 
+@pytest.mark.parametrize("splits,cpp", [(1, 1), (2, 3), (3, 8)])
+def test_compaction_writes_every_chunk_at_its_offset(splits, cpp):
+    """The two-pass compaction (chunk offsets by a prefix sum, then one write per chunk) against
+    its twin, entry by entry: garbage bytes outside each group's range (never read), ranges
+    not aligned to chunks, N not a multiple of the chunk, an empty group, a group of one key,
+    the high bits of a byte ignored, and lists too short (the count keeps the true number,
+    the stored entries are the first ones)."""
+    rng = np.random.default_rng(splits * 10 + cpp)
+    G4, N, CH = 5, 1000, 64
+    masks = rng.integers(-128, 128, (G4, N)).astype(np.int8)
+    masks[rng.random((G4, N)) < 0.6] = 0x30          # high bits only: not a survivor
+    lo = np.zeros(4 * G4, np.int32)
+    hi = np.zeros(4 * G4, np.int32)
+    lo[0:4], hi[0:4] = [0, 3, 10, 17], [900, 950, 1000, 999]
+    lo[4:8], hi[4:8] = [130, 130, 500, 130], [131, 131, 131, 131]   # one key, an empty range
+    # group 2: all empty
+    lo[12:16], hi[12:16] = [77, 200, 345, 66], [640, 700, 701, 702]
+    lo[16:20], hi[16:20] = [999, 998, 999, 999], [1000, 1000, 1000, 1000]
+    want = screen.compact_masks_reference(masks, lo, hi, splits, chunk=CH)
+    for cap in (1024, 16):
+        packed, count = screen.compact_masks(jnp.asarray(masks), jnp.asarray(lo), jnp.asarray(hi),
+                                             splits=splits, capacity=cap, chunk=CH,
+                                             chunks_per_program=cpp)
+        packed, count = np.asarray(packed), np.asarray(count)
+        for g in range(G4):
+            for s_ in range(splits):
+                assert int(count[g, s_]) == len(want[g][s_]), (g, s_, cap)
+                n = min(packed.shape[-1], len(want[g][s_]))
+                np.testing.assert_array_equal(packed[g, s_, :n], want[g][s_][:n])
+        assert count[2].sum() == 0 and count[1].sum() == int((masks[1, 130] & 0xF) != 0)
+    assert max(len(x) for row in want for x in row) > 16          # some list overflowed
+
+
 def test_lane_aligned_order_puts_each_query_in_one_thread():
     """Column c of a kc program holds query 4h + p, column 2m + b, for c = ((h·Rp/2 + m)·4 +
     p)·2 + b: the query is given by c's bits 1–2 (the wgmma accumulator's lane in a quad) and
@@ -449,9 +482,9 @@ def test_seed_scores_equal_dense_kernel_scores_bitwise():
 
 
 def test_kth_largest_keys_radix_search():
-    """The radix descent returns the K-th largest eligible order key (ties, extremes, INT32_MIN
+    """The radix descent and its kernel (the bitwise descent) return the K-th largest eligible order key (ties, extremes, INT32_MIN
     entries, rows with fewer than K eligible -> THETA_NONE), for several digit widths."""
-    from pallas_kernels.seeds import kth_largest_keys
+    from pallas_kernels.seeds import kth_largest_keys, kth_largest_keys_kernel
     rng = np.random.default_rng(0)
     lo32, hi32 = np.iinfo(np.int32).min, np.iinfo(np.int32).max
     rows = [rng.integers(lo32, hi32, 64, dtype=np.int64),
@@ -465,10 +498,16 @@ def test_kth_largest_keys_radix_search():
         for r in np.asarray(keys):
             el = np.sort(r[r != lo32])[::-1]
             want.append(el[k - 1] if len(el) >= k else THETA_NONE)
-        for bits in (1, 4, 8):
-            kth, count = kth_largest_keys(keys, k, bits=bits)
+        for bits in (1, 4, 8, "kernel"):
+            kth, count = (kth_largest_keys_kernel(keys, k) if bits == "kernel" else
+                          kth_largest_keys(keys, k, bits=bits))
             np.testing.assert_array_equal(np.asarray(kth), np.asarray(want, np.int32))
             np.testing.assert_array_equal(np.asarray(count), np.sum(np.asarray(keys) != lo32, 1))
+    # rows not a power of two wide (the kernel masks its block's tail as ineligible)
+    odd = keys[:, :40]
+    for k in (1, 17, 40):
+        np.testing.assert_array_equal(np.asarray(kth_largest_keys_kernel(odd, k)[0]),
+                                      np.asarray(kth_largest_keys(odd, k)[0]))
 
 
 @pytest.mark.parametrize("tiles", [TILES, TILES._replace(refine_slices=3)],
