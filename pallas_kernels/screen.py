@@ -88,10 +88,11 @@ UP_FLOOR = 2.0 ** -126
 #: Widest "kc" screen tile (BQs·Rp columns) that ``defer`` pipelines: a second [BK, 256]
 #: accumulator spills (255 registers, 1.9 KB of spills at 8 x 32 columns; standalone Triton 3.6)
 DEFER_COLUMNS = 128
-#: Keys per chunk of the compaction (the unit its offsets are computed for).
-COMPACT_CHUNK = 1024
-#: Chunks written by one compaction program (one after another).
-COMPACT_CHUNKS_PER_PROGRAM = 8
+#: Keys per chunk of the compaction (the unit its offsets are computed for; the survivor
+#: lists' splits are cut at chunk boundaries).
+COMPACT_CHUNK = 2048
+#: Chunks written by one compaction program (all loaded first; a power of two).
+COMPACT_CHUNKS_PER_PROGRAM = 2
 
 
 class ScreenOperands(NamedTuple):
@@ -443,30 +444,36 @@ def screen_masks(sops: ScreenOperands, lo, hi, k_pieces, knorm, scale, *, splits
 
 def _compact_kernel(mk_ref, lo_ref, hi_ref, base_ref, off_ref, sv_ref, *, N: int, Cs: int,
                     CH: int, CPP: int, nchp: int):
-    """Program (g, p): chunks p·CPP … p·CPP + CPP − 1 of group g, each written at its offset."""
+    """Program (g, p): chunks p·CPP … p·CPP + CPP − 1 of group g, each written at its offset.
+
+    All CPP chunks are loaded before the first is written (contiguous, vectorised loads:
+    more bytes in flight per program), with their offsets in one load."""
     g = pl.program_id(0)
     p = pl.program_id(1)
     size = sv_ref.shape[0]
     klo, khi = group_range(lo_ref[pl.ds(g * GROUP, GROUP)], hi_ref[pl.ds(g * GROUP, GROUP)])
     lanes = jnp.arange(CH, dtype=jnp.int32)
-
-    def body(c, carry):
-        j = p * CPP + c
-        at = g * nchp + j
-        base = jnp.sum(rec._plgpu().load(base_ref.at[pl.ds(at, 1)]))    # −1: not in a list
-        off = jnp.sum(rec._plgpu().load(off_ref.at[pl.ds(at, 1)]))
-        ids = j * CH + lanes
-        ok = (ids >= klo) & (ids < khi) & (base >= 0)   # the group's range: bytes it wrote
-        b = rec._plgpu().load(mk_ref.at[rec.masked_index(g * N + ids, ok, mk_ref.shape[0])],
-                              mask=ok, other=0).astype(jnp.int32) & 0xF
+    at = pl.ds(g * nchp + p * CPP, CPP)
+    bases = base_ref[at]                                   # −1: the chunk is in no list
+    offs = off_ref[at]
+    sel = jnp.arange(CPP, dtype=jnp.int32)
+    chunks = []
+    for c in range(CPP):
+        base = jnp.sum(jnp.where(sel == c, bases, 0))
+        ids = (p * CPP + c) * CH + lanes
+        # the whole chunk (a mask constant over 16 bytes: vectorised loads); the bytes outside
+        # the group's range, which its program did not write, are dropped after the load
+        b = rec._plgpu().load(mk_ref.at[pl.ds(g * N + (p * CPP + c) * CH, CH)],
+                              mask=ids < N, other=0)
+        chunks.append((base, jnp.sum(jnp.where(sel == c, offs, 0)), ids, b))
+    for base, off, ids, b in chunks:
+        ok = (ids >= klo) & (ids < khi) & (base >= 0)
+        b = jnp.where(ok, b.astype(jnp.int32) & 0xF, 0)
         keep = b != 0
         pos = off + jnp.cumsum(keep.astype(jnp.int32)) - 1
         w = keep & (pos < Cs)
         rec._plgpu().store(sv_ref.at[rec.masked_index(base + pos, w, size)],
                            ids | (b << ID_BITS), mask=w)
-        return carry
-
-    lax.fori_loop(0, CPP, body, jnp.int32(0))
 
 
 def chunk_offsets(masks: Array, lo, hi, *, splits: int, capacity: int, chunk: int):
@@ -556,6 +563,9 @@ def compact_masks(masks: Array, lo, hi, *, splits: int, capacity: int, chunk: in
       masks: [G4, N] int8 (:func:`screen_masks`); lo, hi: [T] the screening ranges.
     Returns: (packed [G4, splits, Cs] int32, count [G4, splits] int32).
     """
+    for name, v in (("chunk", chunk), ("chunks_per_program", chunks_per_program)):
+        if int(v) < 1 or int(v) & (int(v) - 1):
+            raise ValueError(f"compact_masks: {name} must be a power of two >= 1, got {v}")
     if interpret is None:
         interpret = interpret_default()
     G4 = masks.shape[0]

@@ -203,7 +203,7 @@ def test_screen_matches_twin(single_piece, layout, bq, lane_sums, absolute, defe
     assert int(jnp.max(scount)) > 16
 
 
-@pytest.mark.parametrize("splits,cpp", [(1, 1), (2, 3), (3, 8)])
+@pytest.mark.parametrize("splits,cpp", [(1, 1), (2, 4), (3, 8)])
 def test_compaction_writes_every_chunk_at_its_offset(splits, cpp):
     """The two-pass compaction (chunk offsets by a prefix sum, then one write per chunk) against
     its twin, entry by entry: garbage bytes outside each group's range (never read), ranges
