@@ -129,6 +129,15 @@ class Tiles(NamedTuple):
     # GPU against the dense kernel)
     refine_warps: int = 0
     refine_stages: int = 0
+    # the survivor compaction (pallas_kernels.screen.compact_masks): keys per chunk (the lists'
+    # splits are cut at chunk boundaries) and chunks per program (loaded together)
+    compact_chunk: int = 2048
+    compact_chunks: int = 2
+    # the planner's sample dots (pallas_kernels.pipeline._plan_sample) as one bf16 MMA with
+    # float32 accumulation when queries and keys are exact in bf16 (products exact, sums in
+    # float32 in the MMA's order) instead of float32 HIGHEST dots; a heuristic input only
+    # (head frequencies, the budget's survival estimate), never part of a bound
+    plan_sample_mma: bool = True
 
 
 #: MMA layouts of the scoring and screening tiles (:func:`pallas_kernels.scoring.score_tile`).
@@ -172,6 +181,12 @@ def check_tiles(tiles: Tiles) -> Tiles:
         raise ValueError(f"tiles.refine_warps must be 0, 1, 2, 4, 8 or 16, got {tiles.refine_warps}")
     if tiles.refine_stages < 0 or tiles.screen_stages < 0:
         raise ValueError("tiles.refine_stages and tiles.screen_stages must be >= 0 (0: num_stages)")
+    for f in ("compact_chunk", "compact_chunks"):
+        v = getattr(tiles, f)
+        if not isinstance(v, int) or v < 1 or v & (v - 1):
+            raise ValueError(f"tiles.{f} must be a power of two >= 1, got {v!r}")
+    if tiles.compact_chunk < 16:
+        raise ValueError(f"tiles.compact_chunk must be >= 16, got {tiles.compact_chunk}")
     return tiles
 
 

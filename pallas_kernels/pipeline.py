@@ -170,12 +170,21 @@ def _score_key(theta):
     return jnp.where(theta > THETA_NONE, key_to_score(theta), -jnp.inf)
 
 
-def _plan_sample(q, k, k_scale, knorm, lo, hi, config):
+#: Queries per chunk of the planner's sample dots (one XLA dot per chunk, in a ``lax.map``).
+PLAN_SAMPLE_CHUNK = 1024
+_BF16_EXACT = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn))
+
+
+def _plan_sample(q, k, k_scale, knorm, lo, hi, config, mma: bool = True):
     """Head dots of a strided sample of each query's visible range (XLA, float32), for the
     planner: activation frequencies p_h and the automatic budget's survival estimate.
 
     The same sample as the reference pipeline (``dosa_jax.pipeline``): the seeds are a
     biased sample (mostly the local window), which chose worse supports and budgets.
+    ``mma`` (``Tiles.plan_sample_mma``) with bf16/FP8 queries and keys: one bf16 dot with
+    float32 accumulation per chunk (exact products) instead of float32 HIGHEST dots of
+    256-query chunks (session 12 on the H200: 64 dots and gathers, about 3.8 ms per call at
+    T = 16K). The dots only steer the plan (which heads, which budget); no bound uses them.
     Returns (payload dots [T, P, H] for p_h, dots and norms in score units (× α_i),
     validity [T, P]).
     """
@@ -184,13 +193,18 @@ def _plan_sample(q, k, k_scale, knorm, lo, hi, config):
     lay = seeds_mod.seed_layout(lo, hi, "strided", config.budget_sample, 0, 0.0)
     ids, valid = seeds_mod.seed_ids(lay, P)
     ids = jnp.clip(ids, 0, k.shape[0] - 1)
+    mma = mma and jnp.dtype(q.dtype) in _BF16_EXACT and jnp.dtype(k.dtype) in _BF16_EXACT
 
     def chunk(args):
         qc, idc = args
+        if mma:
+            kk = jnp.take(k, idc, axis=0).astype(jnp.bfloat16)        # [c, P, D], exact
+            return jnp.einsum("thd,tpd->tph", qc.astype(jnp.bfloat16), kk,
+                              preferred_element_type=jnp.float32)
         kk = jnp.take(k, idc, axis=0).astype(jnp.float32)             # [c, P, D]
         return jnp.einsum("thd,tpd->tph", qc.astype(jnp.float32), kk,
                           precision=lax.Precision.HIGHEST)
-    c = 256
+    c = min(PLAN_SAMPLE_CHUNK if mma else 256, round_up(T, 8))
     Tp = round_up(T, c)
     qp = jnp.pad(q, ((0, Tp - T), (0, 0), (0, 0)))
     ip = jnp.pad(ids, ((0, Tp - T), (0, 0)))
@@ -354,7 +368,8 @@ def screen_by_budget(plan, budget, classes, agg_cols, agg_w, coef, eps, tau, pru
                             masks)
             per_query = pq if per_query is None else jnp.where(on[:, None], pq, per_query)
     packed, count = compact_masks(masks, lo, hi, splits=splits, capacity=capacity,
-                                  interpret=interpret)
+                                  chunk=tiles.compact_chunk,
+                                  chunks_per_program=tiles.compact_chunks, interpret=interpret)
     return Survivors(packed, count, per_query[:T])
 
 
@@ -443,7 +458,8 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
 
     # 2. plan (query side) + this backend's arithmetic allowance
     knorm = keyside.norm
-    dots, valid, sdots, snorm, svalid = _named(_plan_sample, "plan_sample")(q, k, k_scale, knorm, lo, hi, config)
+    dots, valid, sdots, snorm, svalid = _named(_plan_sample, "plan_sample")(
+        q, k, k_scale, knorm, lo, hi, config, mma=tiles.plan_sample_mma)
     p = jax.vmap(activation_frequencies)(dots, valid)
     # the automatic budget, priced for this backend: one budget per screening program (the
     # kernel pays for its largest one anyway; tiles.shared_budget), survivors weighted by κ

@@ -28,7 +28,7 @@ from kernel_checks import (assert_screening_bound_holds_on_every_key, jit_dosa_d
 ON_GPU = on_gpu()
 # one pytest-xdist worker runs this file: its tests share interpret-mode compilations
 pytestmark = pytest.mark.xdist_group("pallas_kernels")
-TILES = dense.Tiles(BQ=4, BK=16, CH=32, refine_bk=0)
+TILES = dense.Tiles(BQ=4, BK=16, CH=32, refine_bk=0, compact_chunk=64)   # several chunks per list
 # keys as MMA rows, one dot per query (score_tile's and the screen's second layout)
 TILES_KH = TILES._replace(layout="kh", screen_layout="kh")
 # keys as MMA rows, the queries' heads/rows concatenated (the default); 8 queries and 32 keys per
@@ -741,7 +741,10 @@ def test_bad_tiles_are_rejected_naming_the_field():
                        (TILES._replace(refine_slices=0), "tiles.refine_slices"),
                        (TILES._replace(refine_warps=3), "tiles.refine_warps"),
                        (TILES._replace(refine_stages=-1), "tiles.refine_stages"),
-                       (TILES._replace(refine_order="random"), "tiles.refine_order")):
+                       (TILES._replace(refine_order="random"), "tiles.refine_order"),
+                       (TILES._replace(compact_chunk=1000), "tiles.compact_chunk"),
+                       (TILES._replace(compact_chunk=8), "tiles.compact_chunk"),
+                       (TILES._replace(compact_chunks=0), "tiles.compact_chunks")):
         with pytest.raises(ValueError, match=field):
             pipeline.dosa_topk(*args, tiles=bad)
     with pytest.raises(ValueError, match="tiles.BQ"):
