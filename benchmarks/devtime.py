@@ -25,9 +25,8 @@ import jax
 _TAG = "dosa_timed_call_"
 
 
-def _device_events(pd):
-    """[(start_ns, end_ns)] of all activities on the GPU planes of a trace."""
-    out = []
+def _stream_events(pd):
+    """Every activity event on the stream lines of a trace's GPU planes."""
     for plane in pd.planes:
         if not plane.name.startswith("/device:GPU"):
             continue
@@ -35,9 +34,12 @@ def _device_events(pd):
             # "XLA Ops"/"XLA Modules"/"Steps" lines derive from the stream lines; keep streams
             if not line.name.startswith("Stream"):
                 continue
-            for e in line.events:
-                out.append((e.start_ns, e.start_ns + e.duration_ns))
-    return sorted(out)
+            yield from line.events
+
+
+def _device_events(pd):
+    """[(start_ns, end_ns)] of all activities on the GPU planes of a trace."""
+    return sorted((e.start_ns, e.start_ns + e.duration_ns) for e in _stream_events(pd))
 
 
 def _call_windows(pd):
@@ -91,15 +93,7 @@ def breakdown(pd, iters: int, top: int = 30):
     jax name stack where XLA records it). ``None`` without GPU activity records.
     """
     wins = _call_windows(pd)
-    evs = []
-    for plane in pd.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if not line.name.startswith("Stream"):
-                continue
-            for e in line.events:
-                evs.append((e.start_ns, e.start_ns + e.duration_ns, e.name, e))
+    evs = [(e.start_ns, e.start_ns + e.duration_ns, e.name, e) for e in _stream_events(pd)]
     if not evs or len(wins) != iters:
         return None
     evs.sort(key=lambda x: x[0])
