@@ -135,6 +135,10 @@ class Tiles(NamedTuple):
     # splits are cut at chunk boundaries) and chunks per program (loaded together)
     compact_chunk: int = 2048
     compact_chunks: int = 2
+    # the screen writes one byte per key for each pair of groups (4 bits each) instead of one per
+    # group, and the compaction reads it once for both: half the mask bytes. Applies when every
+    # budget class screens "kc" programs of 8 queries (screen.can_pack); else one byte per group
+    screen_pack: bool = False
     # the planner's sample dots (pallas_kernels.pipeline._plan_sample) as one bf16 MMA with
     # float32 accumulation when queries and keys are exact in bf16 (products exact, sums in
     # float32 in the MMA's order) instead of float32 HIGHEST dots; a heuristic input only

@@ -51,7 +51,7 @@ from pallas_kernels.common import MAX_KEYS, THETA_NONE, next_pow2, round_up
 from pallas_kernels.dense import Tiles, prepare_key_operands, prepare_operands
 from pallas_kernels.refine import refine
 from pallas_kernels.screen import (Survivors, aggregate_column_count, aggregate_columns,
-                                   compact_masks, prepare_screen, screen_masks,
+                                   can_pack, compact_masks, prepare_screen, screen_masks,
                                    screen_queries_per_program, screen_rows)
 from pallas_kernels.seeds import (group_ranges, group_seed_lists, group_witnesses,
                                   seed_threshold)
@@ -341,9 +341,11 @@ def screen_by_budget(plan, budget, classes, agg_cols, agg_w, coef, eps, tau, pru
                               layout=tiles.screen_layout, BQs=bqs[c],
                               lane_sums=tiles.screen_lane_sums)
 
+    # packed masks (two groups per byte) when every class's programs are "kc" 8-query ones
+    pack = tiles.screen_pack and all(can_pack(tiles.screen_layout, b) for b in bqs.values())
     kw = dict(splits=splits, BK=tiles.screen_bk or tiles.BK, num_warps=tiles.screen_warps,
               num_stages=tiles.screen_stages or tiles.num_stages, interpret=interpret,
-              defer=tiles.screen_defer)
+              defer=tiles.screen_defer, pack=pack)
     run = lambda sops, l, h, into=None: screen_masks(sops, l, h, ops.k, knorm, ops.scale,
                                                      masks_into=into, **kw)
     if len(classes) == 1:
@@ -369,7 +371,8 @@ def screen_by_budget(plan, budget, classes, agg_cols, agg_w, coef, eps, tau, pru
             per_query = pq if per_query is None else jnp.where(on[:, None], pq, per_query)
     packed, count = compact_masks(masks, lo, hi, splits=splits, capacity=capacity,
                                   chunk=tiles.compact_chunk,
-                                  chunks_per_program=tiles.compact_chunks, interpret=interpret)
+                                  chunks_per_program=tiles.compact_chunks, packed=pack,
+                                  interpret=interpret)
     return Survivors(packed, count, per_query[:T])
 
 

@@ -88,6 +88,8 @@ UP_FLOOR = 2.0 ** -126
 #: Widest "kc" screen tile (BQs·Rp columns) that ``defer`` pipelines: a second [BK, 256]
 #: accumulator spills (255 registers, 1.9 KB of spills at 8 x 32 columns; standalone Triton 3.6)
 DEFER_COLUMNS = 128
+#: Queries per screening program whose masks can be packed (two groups of 4 per byte).
+PACKED_QUERIES = 2 * GROUP
 #: Keys per chunk of the compaction (the unit its offsets are computed for; the survivor
 #: lists' splits are cut at chunk boundaries).
 COMPACT_CHUNK = 2048
@@ -281,7 +283,7 @@ def _nudged_bound(pos, knorm, coef, eps, scale):
 
 
 def _screen_kernel(*refs, Pr: int, Pk: int, BQs: int, Rp: int, BK: int, N: int, S: int,
-                   pairs, layout: str, lane_sums: bool, defer: bool = False):
+                   pairs, layout: str, lane_sums: bool, defer: bool = False, pack: bool = False):
     r_refs = refs[:Pr]
     (rw_ref, coef_ref, eps_ref, tau_ref, lo_ref, hi_ref) = refs[Pr:Pr + 6]
     k_refs = refs[Pr + 6:Pr + 6 + Pk]
@@ -308,6 +310,8 @@ def _screen_kernel(*refs, Pr: int, Pk: int, BQs: int, Rp: int, BK: int, N: int, 
     lanes = jnp.arange(BK, dtype=jnp.int32)
     groups = g * G + jnp.arange(G, dtype=jnp.int32)
     qbit = jnp.int32(1) << (jnp.arange(BQs, dtype=jnp.int32) % GROUP)
+    if pack:   # kc, 8 queries: group 2p's bits in the low nibble, group 2p + 1's in the high
+        qbit = jnp.int32(1) << jnp.arange(BQs, dtype=jnp.int32)
     kc = layout == "kc"
     if kc:   # per-query vectors as [G, 4] (the bound's [BK, G, 4] orientation)
         coef, eps, tau = (x.reshape(G, GROUP) for x in (coef, eps, tau))
@@ -331,7 +335,12 @@ def _screen_kernel(*refs, Pr: int, Pk: int, BQs: int, Rp: int, BK: int, N: int, 
             surv = (idq >= lo[None]) & (idq < hi[None]) & ~(U < tau[None])
             si = surv.astype(jnp.int32)
             bits = jnp.sum(si * qbit[None], axis=2)                       # [BK, G]
-            idx = groups[None, :] * N + ids[:, None]
+            if pack:   # one byte per key for the program's two groups, at row g
+                bits = jnp.sum(bits, axis=1, keepdims=True)                # [BK, 1]
+                bits = jnp.where(bits > 127, bits - 256, bits)             # as int8
+                idx = g * N + ids[:, None]
+            else:
+                idx = groups[None, :] * N + ids[:, None]
             ok = jnp.broadcast_to(inb[:, None], idx.shape)
         else:
             vis = (ids[None, :] >= lo[:, None]) & (ids[None, :] < hi[:, None])
@@ -386,17 +395,19 @@ class Survivors(NamedTuple):
 
 @functools.partial(jax.jit, static_argnames=("BQs", "Rp", "BK", "S", "pairs", "num_warps",
                                              "num_stages", "interpret", "layout", "lane_sums",
-                                             "defer"),
+                                             "defer", "pack"),
                    donate_argnames=("masks_into",))
 def _screen_call(rows, row_w, coef, eps, tau, lo, hi, k, knorm, scale, masks_into=None, *,
                  BQs, Rp, BK, S, pairs, num_warps, num_stages, interpret, layout, lane_sums,
-                 defer=False):
+                 defer=False, pack=False):
     Tpad = lo.shape[0]
     G4 = Tpad // GROUP
     N = k.shape[1]
+    rows_out = Tpad // PACKED_QUERIES if pack else G4
     kern = functools.partial(_screen_kernel, Pr=rows.shape[0], Pk=k.shape[0], BQs=BQs, Rp=Rp,
                              BK=BK, N=N, S=S, pairs=pairs, layout=layout, lane_sums=lane_sums,
-                             defer=defer and layout == "kc" and BQs * Rp <= DEFER_COLUMNS)
+                             defer=defer and layout == "kc" and BQs * Rp <= DEFER_COLUMNS,
+                             pack=pack)
     args = (*rows, row_w, coef, eps, tau, lo, hi, *k, knorm, scale)
     aliases = {}
     if masks_into is not None:   # write this call's programs into another call's masks
@@ -404,17 +415,27 @@ def _screen_call(rows, row_w, coef, eps, tau, lo, hi, k, knorm, scale, masks_int
         args = args + (masks_into.reshape(-1),)
     mk, qs = pl.pallas_call(
         kern, grid=(Tpad // BQs, S),
-        out_shape=(jax.ShapeDtypeStruct((G4 * N,), jnp.int8),
+        out_shape=(jax.ShapeDtypeStruct((rows_out * N,), jnp.int8),
                    jax.ShapeDtypeStruct((Tpad * S,), jnp.int32)),
         compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
         input_output_aliases=aliases, name="dosa_screen")(*args)
-    return mk.reshape(G4, N), qs.reshape(Tpad, S)
+    return mk.reshape(rows_out, N), qs.reshape(Tpad, S)
+
+
+def can_pack(layout: str, BQs: int) -> bool:
+    """Whether a screen of this layout and program size can write packed masks (two groups'
+    4-bit masks in one byte per key: ``"kc"`` programs of exactly :data:`PACKED_QUERIES`)."""
+    return layout == "kc" and BQs == PACKED_QUERIES
 
 
 def screen_masks(sops: ScreenOperands, lo, hi, k_pieces, knorm, scale, *, splits: int,
                  BK: int = 64, num_warps: int = 4, num_stages: int = 2, interpret=None,
-                 masks_into=None, defer: bool = False):
+                 masks_into=None, defer: bool = False, pack: bool = False):
     """Run the screening kernel: survival masks per group of 4 and key.
+
+    ``pack`` (:func:`can_pack` must hold): one byte per key for each pair of groups, group
+    2p's 4 bits low and group 2p + 1's high (masks [G4/2, N]): half the bytes written here
+    and read by the compaction (:func:`compact_masks` with ``packed=True``).
 
     Args:
       sops: :func:`prepare_screen` output; lo, hi: [T] ranges;
@@ -432,6 +453,9 @@ def screen_masks(sops: ScreenOperands, lo, hi, k_pieces, knorm, scale, *, splits
     if (Tpad // GROUP) * k_pieces.shape[1] >= 2 ** 31:
         raise ValueError(f"screen masks of {Tpad // GROUP} groups x {k_pieces.shape[1]} keys "
                          "exceed int32 offsets: screen fewer queries at once (waves)")
+    if pack and not can_pack(sops.layout, sops.BQs):
+        raise ValueError(f"packed masks need the 'kc' screen with {PACKED_QUERIES} queries per "
+                         f"program, got layout={sops.layout!r}, BQs={sops.BQs}")
     lo = jnp.pad(lo.astype(jnp.int32), (0, Tpad - T))
     hi = jnp.pad(hi.astype(jnp.int32), (0, Tpad - T))
     pairs = piece_pairs(sops.rows.shape[0], k_pieces.shape[0])
@@ -439,44 +463,49 @@ def screen_masks(sops: ScreenOperands, lo, hi, k_pieces, knorm, scale, *, splits
                         knorm, scale, masks_into, BQs=sops.BQs, Rp=sops.Rp, BK=BK, S=splits,
                         pairs=pairs, num_warps=num_warps, num_stages=num_stages,
                         interpret=interpret, layout=sops.layout, lane_sums=sops.lane_sums,
-                        defer=defer)
+                        defer=defer, pack=bool(pack))
 
 
 def _compact_kernel(mk_ref, lo_ref, hi_ref, base_ref, off_ref, sv_ref, *, N: int, Cs: int,
-                    CH: int, CPP: int, nchp: int):
-    """Program (g, p): chunks p·CPP … p·CPP + CPP − 1 of group g, each written at its offset.
+                    CH: int, CPP: int, nchp: int, R: int):
+    """Program (r, p): chunks p·CPP … p·CPP + CPP − 1 of mask row r, written for each of the
+    row's R groups (R = 2: packed masks, group 2r in the low nibble) at its offsets.
 
     All CPP chunks are loaded before the first is written (contiguous, vectorised loads:
     more bytes in flight per program), with their offsets in one load."""
-    g = pl.program_id(0)
+    r = pl.program_id(0)
     p = pl.program_id(1)
     size = sv_ref.shape[0]
-    klo, khi = group_range(lo_ref[pl.ds(g * GROUP, GROUP)], hi_ref[pl.ds(g * GROUP, GROUP)])
     lanes = jnp.arange(CH, dtype=jnp.int32)
-    at = pl.ds(g * nchp + p * CPP, CPP)
-    bases = base_ref[at]                                   # −1: the chunk is in no list
-    offs = off_ref[at]
     sel = jnp.arange(CPP, dtype=jnp.int32)
     chunks = []
     for c in range(CPP):
-        base = jnp.sum(jnp.where(sel == c, bases, 0))
         ids = (p * CPP + c) * CH + lanes
         # the whole chunk (a mask constant over 16 bytes: vectorised loads); the bytes outside
-        # the group's range, which its program did not write, are dropped after the load
-        b = rec._plgpu().load(mk_ref.at[pl.ds(g * N + (p * CPP + c) * CH, CH)],
+        # a group's range, which its program did not write, are dropped after the load
+        b = rec._plgpu().load(mk_ref.at[pl.ds(r * N + (p * CPP + c) * CH, CH)],
                               mask=ids < N, other=0)
-        chunks.append((base, jnp.sum(jnp.where(sel == c, offs, 0)), ids, b))
-    for base, off, ids, b in chunks:
-        ok = (ids >= klo) & (ids < khi) & (base >= 0)
-        b = jnp.where(ok, b.astype(jnp.int32) & 0xF, 0)
-        keep = b != 0
-        pos = off + jnp.cumsum(keep.astype(jnp.int32)) - 1
-        w = keep & (pos < Cs)
-        rec._plgpu().store(sv_ref.at[rec.masked_index(base + pos, w, size)],
-                           ids | (b << ID_BITS), mask=w)
+        chunks.append((ids, b.astype(jnp.int32)))
+    for h in range(R):
+        g = r * R + h
+        klo, khi = group_range(lo_ref[pl.ds(g * GROUP, GROUP)], hi_ref[pl.ds(g * GROUP, GROUP)])
+        at = pl.ds(g * nchp + p * CPP, CPP)
+        bases = base_ref[at]                               # −1: the chunk is in no list
+        offs = off_ref[at]
+        for c, (ids, b) in enumerate(chunks):
+            base = jnp.sum(jnp.where(sel == c, bases, 0))
+            off = jnp.sum(jnp.where(sel == c, offs, 0))
+            ok = (ids >= klo) & (ids < khi) & (base >= 0)
+            bg = jnp.where(ok, (b >> (4 * h)) & 0xF, 0)
+            keep = bg != 0
+            pos = off + jnp.cumsum(keep.astype(jnp.int32)) - 1
+            w = keep & (pos < Cs)
+            rec._plgpu().store(sv_ref.at[rec.masked_index(base + pos, w, size)],
+                               ids | (bg << ID_BITS), mask=w)
 
 
-def chunk_offsets(masks: Array, lo, hi, *, splits: int, capacity: int, chunk: int):
+def chunk_offsets(masks: Array, lo, hi, *, splits: int, capacity: int, chunk: int,
+                  packed: bool = False):
     """Where each chunk of each group's mask bytes goes in the survivor lists (XLA).
 
     A group's range (the union of its 4 queries' [lo, hi)) is cut into chunks of ``chunk``
@@ -484,28 +513,36 @@ def chunk_offsets(masks: Array, lo, hi, *, splits: int, capacity: int, chunk: in
     the splits' chunks). For every (group, chunk): the survivors (keys of the range with a
     nonzero byte) are counted, and the chunk's list (``(g·S + s)·Cs``, −1 outside the range)
     and its offset in it (the survivors of the split's earlier chunks) follow by an exclusive
-    prefix sum. Returns (base [G4, nch], offset [G4, nch], count [G4, S]: the true survivors
-    of each list, which may exceed ``capacity``).
+    prefix sum. ``packed``: masks [G4/2, N], group 2p's bits in the low nibble of row p, group
+    2p + 1's in the high one. Returns (base [G4, nch], offset [G4, nch], count [G4, S]: the
+    true survivors of each list, which may exceed ``capacity``).
     """
-    G4, N = masks.shape
+    N = masks.shape[1]
+    G4 = masks.shape[0] * (2 if packed else 1)
     S = splits
     CH = chunk
     nch = -(-N // CH)
     _, klo, khi, _ = group_ranges(lo.reshape(G4, GROUP), hi.reshape(G4, GROUP))
 
-    def kept(m, first):   # [G4, n, CH] bytes of chunks first… -> survivors per chunk
+    def kept(m, first, h, every):   # [rows, n, CH] bytes of chunks first… -> survivors
         ids = (first + jnp.arange(m.shape[1], dtype=jnp.int32)[:, None]) * CH + jnp.arange(
             m.shape[2], dtype=jnp.int32)[None, :]
-        inr = (ids[None] >= klo[:, None, None]) & (ids[None] < khi[:, None, None])
-        return jnp.sum(inr & ((m.astype(jnp.int32) & 0xF) != 0), axis=2, dtype=jnp.int32)
+        a, z = klo[h::every], khi[h::every]                 # the groups of nibble h
+        inr = (ids[None] >= a[:, None, None]) & (ids[None] < z[:, None, None])
+        nib = (m.astype(jnp.int32) >> (4 * h)) & 0xF
+        return jnp.sum(inr & (nib != 0), axis=2, dtype=jnp.int32)
 
+    R = 2 if packed else 1
     full = N // CH
-    parts = []
-    if full:
-        parts.append(kept(masks[:, :full * CH].reshape(G4, full, CH), 0))
-    if N % CH:
-        parts.append(kept(masks[:, full * CH:][:, None, :], full))
-    cnt = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)      # [G4, nch]
+    rows = []
+    for h in range(R):
+        parts = []
+        if full:
+            parts.append(kept(masks[:, :full * CH].reshape(masks.shape[0], full, CH), 0, h, R))
+        if N % CH:
+            parts.append(kept(masks[:, full * CH:][:, None, :], full, h, R))
+        rows.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1))
+    cnt = rows[0] if R == 1 else jnp.stack(rows, axis=1).reshape(G4, nch)    # [G4, nch]
     pre = jnp.concatenate([jnp.zeros((G4, 1), jnp.int32),
                            jnp.cumsum(cnt, axis=1, dtype=jnp.int32)], axis=1)  # [G4, nch + 1]
     tile0 = klo // CH
@@ -527,18 +564,21 @@ def chunk_offsets(masks: Array, lo, hi, *, splits: int, capacity: int, chunk: in
     return base.astype(jnp.int32), off.astype(jnp.int32), count.astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("S", "Cs", "CH", "CPP", "interpret"))
-def _compact_call(masks, lo, hi, *, S, Cs, CH, CPP, interpret):
-    G4, N = masks.shape
-    base, off, count = chunk_offsets(masks, lo, hi, splits=S, capacity=Cs, chunk=CH)
+@functools.partial(jax.jit, static_argnames=("S", "Cs", "CH", "CPP", "packed", "interpret"))
+def _compact_call(masks, lo, hi, *, S, Cs, CH, CPP, packed, interpret):
+    N = masks.shape[1]
+    R = 2 if packed else 1
+    G4 = masks.shape[0] * R
+    base, off, count = chunk_offsets(masks, lo, hi, splits=S, capacity=Cs, chunk=CH,
+                                     packed=packed)
     nch = base.shape[1]
     nprog = -(-nch // CPP)
     nchp = nprog * CPP
     base = jnp.pad(base, ((0, 0), (0, nchp - nch)), constant_values=-1).reshape(-1)
     off = jnp.pad(off, ((0, 0), (0, nchp - nch))).reshape(-1)
-    kern = functools.partial(_compact_kernel, N=N, Cs=Cs, CH=CH, CPP=CPP, nchp=nchp)
+    kern = functools.partial(_compact_kernel, N=N, Cs=Cs, CH=CH, CPP=CPP, nchp=nchp, R=R)
     sv = pl.pallas_call(
-        kern, grid=(G4, nprog),
+        kern, grid=(masks.shape[0], nprog),
         out_shape=jax.ShapeDtypeStruct((G4 * S * Cs,), jnp.int32),
         compiler_params=compiler_params(4, 2), interpret=interpret,
         name="dosa_compact_survivors")(masks.reshape(-1), lo, hi, base, off)
@@ -546,7 +586,8 @@ def _compact_call(masks, lo, hi, *, S, Cs, CH, CPP, interpret):
 
 
 def compact_masks(masks: Array, lo, hi, *, splits: int, capacity: int, chunk: int = COMPACT_CHUNK,
-                  chunks_per_program: int = COMPACT_CHUNKS_PER_PROGRAM, interpret=None):
+                  chunks_per_program: int = COMPACT_CHUNKS_PER_PROGRAM, packed: bool = False,
+                  interpret=None):
     """Survivor lists from screening masks (Pallas Triton; twin :func:`compact_masks_reference`).
 
     Group g's list split s holds, in ascending order, ``id | bits << 27`` for every key of
@@ -561,6 +602,9 @@ def compact_masks(masks: Array, lo, hi, *, splits: int, capacity: int, chunk: in
     8.1 ms plus a 1.65 ms count pass (2048-key chunks, two per program: at T=4096, N=1M
     2.03 ms against 2.05–2.56 ms for 1 × 2048, 4 × 1024, 1 × 4096 and 1 × 8192).
 
+    ``packed``: masks [G4/2, N] of :func:`screen_masks` with ``pack=True``; a program reads
+    each chunk once for both groups of its byte row.
+
     Args:
       masks: [G4, N] int8 (:func:`screen_masks`); lo, hi: [T] the screening ranges.
     Returns: (packed [G4, splits, Cs] int32, count [G4, splits] int32).
@@ -570,11 +614,11 @@ def compact_masks(masks: Array, lo, hi, *, splits: int, capacity: int, chunk: in
             raise ValueError(f"compact_masks: {name} must be a power of two >= 1, got {v}")
     if interpret is None:
         interpret = interpret_default()
-    G4 = masks.shape[0]
+    G4 = masks.shape[0] * (2 if packed else 1)
     lo = pad_axis(lo.astype(jnp.int32), 0, G4 * GROUP)
     hi = pad_axis(hi.astype(jnp.int32), 0, G4 * GROUP)
     return _compact_call(masks, lo, hi, S=splits, Cs=round_up(capacity, 16), CH=chunk,
-                         CPP=int(chunks_per_program), interpret=interpret)
+                         CPP=int(chunks_per_program), packed=bool(packed), interpret=interpret)
 
 
 def screening_bound_reference(rows, row_w, agg_cols, agg_w, coef, eps, k_pieces, knorm, scale,
@@ -601,11 +645,20 @@ def survivors_reference(U: Array, tau: Array, prune: Array, lo: Array, hi: Array
     return vis & (~(U < tau[:, None]) | ~prune[:, None])
 
 
+def unpack_masks(masks) -> np.ndarray:
+    """numpy: packed masks [G4/2, N] (:func:`screen_masks` with ``pack``) -> [G4, N], one
+    group's 4 bits per byte (group 2p from the low nibble of row p)."""
+    m = np.asarray(masks).astype(np.int32) & 0xFF
+    return np.stack([m & 0xF, m >> 4], axis=1).reshape(-1, m.shape[1]).astype(np.int8)
+
+
 def compact_masks_reference(masks: Array, lo: Array, hi: Array, splits: int,
-                            chunk: int = COMPACT_CHUNK):
+                            chunk: int = COMPACT_CHUNK, packed: bool = False):
     """numpy twin of :func:`compact_masks` (full lists, no capacity): per (group, split) the
     array of entries ``id | bits << 27``."""
     masks, lo, hi = np.asarray(masks), np.asarray(lo), np.asarray(hi)
+    if packed:
+        masks = unpack_masks(masks)
     G4, N = masks.shape
     out = []
     for g in range(G4):

@@ -115,24 +115,30 @@ def test_exact_topk_matches_reference_with_ties_nan_and_bad_guess():
     assert int(st["fallback_rows"][4]) == 1
 
 
-@pytest.mark.parametrize("single_piece,layout,bq,lane_sums,absolute,defer,hi_only",
-                         [(False, "hk", None, False, False, False, False),
-                          (True, "kh", None, False, True, False, False),
-                          (True, "kc", None, True, False, False, False),
-                          (True, "kc", 8, False, True, False, False),
-                          (False, "kc", 8, True, True, False, False),
-                          (True, "kc", 4, True, False, True, True),
-                          (True, "kc", 8, True, True, True, True)],
+@pytest.mark.parametrize("single_piece,layout,bq,lane_sums,absolute,defer,hi_only,pack",
+                         [(False, "hk", None, False, False, False, False, False),
+                          (True, "kh", None, False, True, False, False, False),
+                          (True, "kc", None, True, False, False, False, False),
+                          (True, "kc", 8, False, True, False, False, False),
+                          (False, "kc", 8, True, True, False, False, False),
+                          (True, "kc", 4, True, False, True, True, False),
+                          (True, "kc", 8, True, True, True, True, False),
+                          (True, "kc", 8, True, True, True, True, True),
+                          (True, "kc", 8, False, False, False, False, True)],
                          ids=["two_pieces_hk", "one_piece_kh_absolute", "one_piece_kc_lanes",
                               "one_piece_kc_bq8_query_major_absolute",
                               "two_pieces_kc_bq8_lanes_absolute",
                               "one_piece_kc_lanes_deferred_hi_only",
-                              "one_piece_kc_bq8_deferred_hi_only_absolute"])
-def test_screen_matches_twin(single_piece, layout, bq, lane_sums, absolute, defer, hi_only):
+                              "one_piece_kc_bq8_deferred_hi_only_absolute",
+                              "one_piece_kc_bq8_deferred_hi_only_absolute_packed",
+                              "one_piece_kc_bq8_query_major_packed"])
+def test_screen_matches_twin(single_piece, layout, bq, lane_sums, absolute, defer, hi_only,
+                             pack):
     """The screen kernel's survival masks and the compaction's lists against the twins on every
     (query, key): the bound (retained heads, the aggregate as ReLU columns in both forms, the
     kernel's lane-aligned column order or not, the software-pipelined loop), the strict
-    rejection, prune off, empty ranges (a whole program of them with 4 queries each)."""
+    rejection, prune off, empty ranges (a whole program of them with 4 queries each); with
+    ``pack`` the two groups of an 8-query program share one byte per key."""
     inp = synthetic.structured(T=8, N=500, H=4, D=32, seed=2, key_dtype="float8_e4m3fn",
                                query_dtype="bfloat16")
     T = 8
@@ -179,8 +185,10 @@ def test_screen_matches_twin(single_piece, layout, bq, lane_sums, absolute, defe
     assert sops.rows.shape[0] == (1 if single_piece else 2)
     assert sops.lane_sums == (lane_sums and layout == "kc")
     masks, per_query = screen.screen_masks(sops, lo, inp.hi, ops.k, knorm, ops.scale, splits=2,
-                                           BK=16, defer=defer)
-    packed, count = screen.compact_masks(masks, lo, inp.hi, splits=2, capacity=512, chunk=64)
+                                           BK=16, defer=defer, pack=pack)
+    assert masks.shape[0] == (1 if pack else 2)
+    packed, count = screen.compact_masks(masks, lo, inp.hi, splits=2, capacity=512, chunk=64,
+                                         packed=pack)
     U = screen.screening_bound_reference(rows, row_w, cols, cw, coef, eps, ops.k, knorm,
                                          ops.scale, single_piece=single_piece)
     m = np.asarray(screen.survivors_reference(U, tau, prune, lo, inp.hi))
@@ -192,8 +200,9 @@ def test_screen_matches_twin(single_piece, layout, bq, lane_sums, absolute, defe
     assert got[2].sum() == 0 and 0 < got.sum() < m.size       # empty range; pruned and kept
     # the compaction kernel against its twin, entry by entry, with a list too short (overflow:
     # the count keeps the true number, the stored entries are the first ones)
-    want = screen.compact_masks_reference(masks, lo, inp.hi, 2, chunk=64)
-    short, scount = screen.compact_masks(masks, lo, inp.hi, splits=2, capacity=16, chunk=64)
+    want = screen.compact_masks_reference(masks, lo, inp.hi, 2, chunk=64, packed=pack)
+    short, scount = screen.compact_masks(masks, lo, inp.hi, splits=2, capacity=16, chunk=64,
+                                         packed=pack)
     for g in range(2):
         for s in range(2):
             assert int(count[g, s]) == len(want[g][s]) == int(scount[g, s])
@@ -203,17 +212,22 @@ def test_screen_matches_twin(single_piece, layout, bq, lane_sums, absolute, defe
     assert int(jnp.max(scount)) > 16
 
 
-@pytest.mark.parametrize("splits,cpp", [(1, 1), (2, 4), (3, 8)])
-def test_compaction_writes_every_chunk_at_its_offset(splits, cpp):
+@pytest.mark.parametrize("splits,cpp,packed", [(1, 1, False), (2, 4, False), (3, 8, False),
+                                               (2, 4, True), (3, 1, True)])
+def test_compaction_writes_every_chunk_at_its_offset(splits, cpp, packed):
     """The two-pass compaction (chunk offsets by a prefix sum, then one write per chunk) against
     its twin, entry by entry: garbage bytes outside each group's range (never read), ranges
     not aligned to chunks, N not a multiple of the chunk, an empty group, a group of one key,
     the high bits of a byte ignored, and lists too short (the count keeps the true number,
-    the stored entries are the first ones)."""
+    the stored entries are the first ones); ``packed``: two groups' 4 bits per byte, both
+    written from one read."""
     rng = np.random.default_rng(splits * 10 + cpp)
-    G4, N, CH = 5, 1000, 64
-    masks = rng.integers(-128, 128, (G4, N)).astype(np.int8)
-    masks[rng.random((G4, N)) < 0.6] = 0x30          # high bits only: not a survivor
+    G4, N, CH = (6 if packed else 5), 1000, 64
+    rows = G4 // 2 if packed else G4
+    masks = rng.integers(-128, 128, (rows, N)).astype(np.int8)
+    masks[rng.random((rows, N)) < 0.6] = 0x30 if not packed else 0   # high bits only: no survivor
+    if packed:
+        masks[rng.random((rows, N)) < 0.3] = 0x0F    # a survivor of group 2p only
     lo = np.zeros(4 * G4, np.int32)
     hi = np.zeros(4 * G4, np.int32)
     lo[0:4], hi[0:4] = [0, 3, 10, 17], [900, 950, 1000, 999]
@@ -221,18 +235,21 @@ def test_compaction_writes_every_chunk_at_its_offset(splits, cpp):
     # group 2: all empty
     lo[12:16], hi[12:16] = [77, 200, 345, 66], [640, 700, 701, 702]
     lo[16:20], hi[16:20] = [999, 998, 999, 999], [1000, 1000, 1000, 1000]
-    want = screen.compact_masks_reference(masks, lo, hi, splits, chunk=CH)
+    if packed:
+        lo[20:24], hi[20:24] = [500, 501, 0, 700], [1000, 1000, 0, 1000]
+    want = screen.compact_masks_reference(masks, lo, hi, splits, chunk=CH, packed=packed)
     for cap in (1024, 16):
-        packed, count = screen.compact_masks(jnp.asarray(masks), jnp.asarray(lo), jnp.asarray(hi),
-                                             splits=splits, capacity=cap, chunk=CH,
-                                             chunks_per_program=cpp)
-        packed, count = np.asarray(packed), np.asarray(count)
+        lists, count = screen.compact_masks(jnp.asarray(masks), jnp.asarray(lo), jnp.asarray(hi),
+                                            splits=splits, capacity=cap, chunk=CH,
+                                            chunks_per_program=cpp, packed=packed)
+        lists, count = np.asarray(lists), np.asarray(count)
         for g in range(G4):
             for s_ in range(splits):
                 assert int(count[g, s_]) == len(want[g][s_]), (g, s_, cap)
-                n = min(packed.shape[-1], len(want[g][s_]))
-                np.testing.assert_array_equal(packed[g, s_, :n], want[g][s_][:n])
-        assert count[2].sum() == 0 and count[1].sum() == int((masks[1, 130] & 0xF) != 0)
+                n = min(lists.shape[-1], len(want[g][s_]))
+                np.testing.assert_array_equal(lists[g, s_, :n], want[g][s_][:n])
+        um = screen.unpack_masks(masks) if packed else masks
+        assert count[2].sum() == 0 and count[1].sum() == int((um[1, 130] & 0xF) != 0)
     assert max(len(x) for row in want for x in row) > 16          # some list overflowed
 
 
@@ -284,7 +301,8 @@ def _bitwise_inputs():
                                 query_dtype="bfloat16")
 
 
-@pytest.mark.parametrize("tiles", [TILES, TILES_KC], ids=["hk", "kc"])
+@pytest.mark.parametrize("tiles", [TILES, TILES_KC, TILES_KC._replace(screen_pack=True)],
+                         ids=["hk", "kc", "kc_packed_masks"])
 def test_dosa_pallas_equals_dense_pallas_bitwise(tiles):
     """DoSA == dense bitwise (two scoring and screening layouts), vs the twin, the screening
     bound on every key, τ from the seed kernel; with the hk tiles also groups sent straight
@@ -510,8 +528,9 @@ def test_kth_largest_keys_radix_search():
                                       np.asarray(kth_largest_keys(odd, k)[0]))
 
 
-@pytest.mark.parametrize("tiles", [TILES, TILES._replace(refine_slices=3)],
-                         ids=["one_slice", "three_slices"])
+@pytest.mark.parametrize("tiles", [TILES, TILES._replace(refine_slices=3),
+                                   TILES._replace(screen_pack=True)],
+                         ids=["one_slice", "three_slices", "packed_masks"])
 def test_dosa_overflow_recovers_exactly(tiles):
     """float32 inputs (two bf16 pieces each) and survivor lists too small: exact via recovery
     (also with each list refined in three slices: the recovery then scans in as many splits)."""

@@ -95,8 +95,12 @@ def test_dosa_with_two_budget_classes_equals_dense_bitwise():
         # column, the software-pipelined screen; survivors priced 4x (more heads)
         cfg4 = cfg.replace(survivor_cost=4.0)
         idx4, sc4, st4, det4 = jit_dosa_details(args, cfg4, tiles=TILES_KC, splits=2)
+        # packed masks: both classes' kernels write one byte per key for each pair of groups
+        idxp, scp, stp, _ = jit_dosa_details(args, cfg4, tiles=TILES_KC._replace(screen_pack=True),
+                                             splits=2)
     didx, dsc = jax.jit(lambda *a: pipeline.dense_topk(*a, cfg, tiles=TILES_KC, splits=2))(*args)
-    for i, s_ in ((idx, sc), (idx4, sc4)):
+    np.testing.assert_array_equal(np.asarray(stp.survivors), np.asarray(st4.survivors))
+    for i, s_ in ((idx, sc), (idx4, sc4), (idxp, scp)):
         np.testing.assert_array_equal(np.asarray(i), np.asarray(didx))
         np.testing.assert_array_equal(np.asarray(s_), np.asarray(dsc))
     b = np.asarray(st.budget).reshape(-1, 8).max(axis=1)       # program classes (8 queries)
