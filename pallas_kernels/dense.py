@@ -137,7 +137,9 @@ class Tiles(NamedTuple):
     compact_chunks: int = 2
     # the screen writes one byte per key for each pair of groups (4 bits each) instead of one per
     # group, and the compaction reads it once for both: half the mask bytes. Applies when every
-    # budget class screens "kc" programs of 8 queries (screen.can_pack); else one byte per group
+    # budget class screens "kc" programs of 8 queries (screen.can_pack); else one byte per group.
+    # Measured slower on the H200 (session 12, T=16K, N=1M: DoSA 220.1 ms unpacked, 221.2 packed
+    # with 1 chunk per program, 222.7 with 2; the packed compaction needs 162 / 232 registers)
     screen_pack: bool = False
     # the planner's sample dots (pallas_kernels.pipeline._plan_sample) as one bf16 MMA with
     # float32 accumulation when queries and keys are exact in bf16 (products exact, sums in
