@@ -212,6 +212,16 @@ def group_range(lo, hi):
     return klo, khi
 
 
+def group_ranges(lo4, hi4):
+    """Outside a kernel, over each group's non-empty ranges ([G4, 4] lo/hi): (non-empty
+    [G4, 4], min lo, max hi, min hi [G4]); a group with no visible key gets min lo 2^31 − 1,
+    max hi 0 (as :func:`group_range`)."""
+    ne = hi4 > lo4
+    big = 2 ** 31 - 1
+    return (ne, jnp.min(jnp.where(ne, lo4, big), axis=1), jnp.max(jnp.where(ne, hi4, 0), axis=1),
+            jnp.min(jnp.where(ne, hi4, big), axis=1))
+
+
 def split_key_tiles(klo, khi, BK: int, S: int, s):
     """Key tiles [start, stop) of split ``s`` of ``S`` covering keys [klo, khi) in tiles of BK."""
     tile0 = klo // BK

@@ -47,14 +47,13 @@ from dosa_jax.selection import INT32_MIN, key_to_score
 from pallas_kernels import dense as dense_mod
 from pallas_kernels import numerics as knum
 from pallas_kernels import records as rec
-from pallas_kernels.common import MAX_KEYS, THETA_NONE, next_pow2, round_up
+from pallas_kernels.common import MAX_KEYS, THETA_NONE, group_ranges, next_pow2, round_up
 from pallas_kernels.dense import Tiles, prepare_key_operands, prepare_operands
 from pallas_kernels.refine import refine
 from pallas_kernels.screen import (Survivors, aggregate_column_count, aggregate_columns,
                                    can_pack, compact_masks, prepare_screen, screen_masks,
                                    screen_queries_per_program, screen_rows)
-from pallas_kernels.seeds import (group_ranges, group_seed_lists, group_witnesses,
-                                  seed_threshold)
+from pallas_kernels.seeds import group_seed_lists, group_witnesses, seed_threshold
 
 #: Survivor-list budget (entries, int32) over all groups and splits: 1 GiB.
 SURVIVOR_BUDGET = 1 << 28
@@ -159,12 +158,6 @@ def predicted_list_use(kept, valid, lo, hi, Tpad4: int):
     return union * jnp.maximum(ghi - glo, 0).astype(jnp.float32)
 
 
-def _named(fn, stage: str):
-    """``fn`` under the name scope ``dosa_<stage>`` (XLA's op names, so that a profile of the
-    pipeline (``benchmarks.profile_kernels --kernels``) attributes each kernel to its stage)."""
-    return jax.named_call(fn, name=f"dosa_{stage}")
-
-
 def _score_key(theta):
     """Order-key threshold -> float (THETA_NONE -> -inf)."""
     return jnp.where(theta > THETA_NONE, key_to_score(theta), -jnp.inf)
@@ -267,12 +260,13 @@ def dosa_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), split
         raise ValueError(f"wave must be a multiple of 4, got {wave}")
     anchors = anchor_topk(q, k, w, k_scale, lo, hi, config, tiles=tiles, interpret=interpret)
     wit = group_witnesses(round_up(T, 4), hint, anchors, config.anchors(T))
+    keyside = key_side(k, k_scale, tiles)   # once per call, outside the waves' loop
     if Tw >= T or return_details:
         if return_details and Tw < T:
             raise ValueError("return_details needs a single wave (wave >= T)")
         return _dosa_wave(q, k, w, k_scale, lo, hi, config, tiles=tiles, splits=splits,
                           interpret=interpret, return_details=return_details,
-                          stop_after=stop_after, witnesses=wit)
+                          stop_after=stop_after, witnesses=wit, keyside=keyside)
     n = -(-T // Tw)
     pad = n * Tw - T
     if wit is not None:      # [G4, W] -> per wave [Tw/4, W] (padded queries: no witnesses)
@@ -283,8 +277,6 @@ def dosa_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), split
     waves = (padq(q).reshape((n, Tw) + q.shape[1:]), padq(w).reshape((n, Tw) + w.shape[1:]),
              padq(lo.astype(jnp.int32)).reshape(n, Tw), padq(hi.astype(jnp.int32)).reshape(n, Tw),
              wit)
-
-    keyside = key_side(k, k_scale, tiles)   # once, outside the waves' loop
 
     def one(args):
         qw, ww, low, hiw, ws = args
@@ -428,9 +420,10 @@ def key_side(k, k_scale, tiles: Tiles) -> "KeySide":
 
 
 def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interpret,
-               return_details: bool = False, stop_after=None, witnesses=None, keyside=None):
-    """One wave of :func:`dosa_topk` (all of its queries' lists live at once); ``keyside``
-    (:func:`key_side`) is computed here when not given."""
+               keyside: "KeySide", return_details: bool = False, stop_after=None,
+               witnesses=None):
+    """One wave of :func:`dosa_topk` (all of its queries' lists live at once), with the
+    call's :func:`key_side`."""
     K = config.top_k
     T, H, D = q.shape
     N = k.shape[0]
@@ -442,7 +435,6 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     A = aggregate_column_count(single, absolute, hi_only)
     config = screen_friendly(config, H, A=A)
     S = splits or dense_mod.default_splits(T, N, tiles.BQ, tiles.BK)
-    keyside = key_side(k, k_scale, tiles) if keyside is None else keyside
     ops = prepare_operands(q, w, k, k_scale, tiles.BQ, layout=tiles.layout,
                            widen_fp8=tiles.widen_fp8, lane_sums=tiles.lane_sums,
                            keys=keyside.operands)
@@ -452,7 +444,7 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     hi = hi.astype(jnp.int32)
 
     # 1. seeds: τ = K-th largest seed score (Eq. 2), scored by the shared routine
-    tau_key, n_eligible, n_seeds = _named(seed_tau_key, "seeds")(ops, lo, hi, config, tiles=tiles,
+    tau_key, n_eligible, n_seeds = seed_tau_key(ops, lo, hi, config, tiles=tiles,
                                                 interpret=interpret, witnesses=witnesses)
     have_tau = n_eligible >= K
     tau = jnp.where(have_tau, _score_key(tau_key), -jnp.inf)
@@ -461,15 +453,15 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
 
     # 2. plan (query side) + this backend's arithmetic allowance
     knorm = keyside.norm
-    dots, valid, sdots, snorm, svalid = _named(_plan_sample, "plan_sample")(
-        q, k, k_scale, knorm, lo, hi, config, mma=tiles.plan_sample_mma)
+    dots, valid, sdots, snorm, svalid = _plan_sample(q, k, k_scale, knorm, lo, hi, config,
+                                                     mma=tiles.plan_sample_mma)
     p = jax.vmap(activation_frequencies)(dots, valid)
     # the automatic budget, priced for this backend: one budget per screening program (the
     # kernel pays for its largest one anyway; tiles.shared_budget), survivors weighted by κ
     B = (max(_class_program_queries(config.budgets(H), A, T, tiles).values())
          if tiles.shared_budget else 1)
     kappa = SURVIVOR_COST if config.survivor_cost is None else config.survivor_cost
-    plan, details, budget = _named(build_plan, "plan")(q.astype(jnp.float32), w, p, config, sample_dots=sdots,
+    plan, details, budget = build_plan(q.astype(jnp.float32), w, p, config, sample_dots=sdots,
                                        sample_norms=snorm, sample_valid=svalid, tau=tau,
                                        program_queries=B, survivor_weight=kappa)
     # the negative aggregate as ReLU columns with weights ±1 (split into bf16 hi + lo with
@@ -507,7 +499,7 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     # 3. screen (direct groups see no keys here), one kernel per budget class
     slo = jnp.where(direct, 0, lo)
     shi = jnp.where(direct, 0, hi)
-    surv = _named(screen_by_budget, "screen")(plan, budget, config.budgets(H), agg_cols, agg_w, coef, eps, tau,
+    surv = screen_by_budget(plan, budget, config.budgets(H), agg_cols, agg_w, coef, eps, tau,
                             prune, slo, shi, ops, knorm, splits=S, capacity=Cs,
                             single_piece=single, tiles=tiles, interpret=interpret)
     slists, scount = surv.packed[:G4], surv.count[:G4]
@@ -519,7 +511,7 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     # 4. refine survivors: s ≥ τ records, online threshold (record buffers of the recovery's
     # size, also when the refinement tiles are longer than the dense ones)
     C = dense_mod.capacity_for(K, max(tiles.BK, tiles.refine_bk), tiles.record_slots or None)
-    cand = _named(refine, "refine")(ops, slists, scount, theta_tau, K, capacity=C, tiles=tiles, interpret=interpret)
+    cand = refine(ops, slists, scount, theta_tau, K, capacity=C, tiles=tiles, interpret=interpret)
     if stop_after == "refine":
         return dict(tau=tau, count=cand.count[:T], key=cand.key[:T])
 
@@ -539,10 +531,10 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
                               jnp.where(recover[:, None], d.theta, c.theta),
                               jnp.where(recover[:, None], d.appended, c.appended))
 
-    cand = lax.cond(jnp.any(recover), _named(recover_fn, "recovery"), lambda c: c, cand)
+    cand = lax.cond(jnp.any(recover), recover_fn, lambda c: c, cand)
 
     # 6. exact selection
-    idx, sc = _named(rec.select_from_records, "select")(cand.key, cand.ids, cand.count, K)
+    idx, sc = rec.select_from_records(cand.key, cand.ids, cand.count, K)
     n_vis = hi - lo
     kth = idx[:, K - 1] >= 0
     rint = recover.astype(jnp.int32)

@@ -73,8 +73,8 @@ from jax.experimental import pallas as pl
 
 from dosa_jax import numerics as nm
 from pallas_kernels import records as rec
-from pallas_kernels.seeds import group_ranges
 from pallas_kernels.common import (GROUP, ID_BITS, column_sums, compiler_params, group_range,
+                                   group_ranges,
                                    in_lane_order, interpret_default, keys_rows_dot,
                                    lane_sums_apply, next_pow2,
                                    pad_axis, piece_pairs, round_up, row_pieces, rows_keys_dot,
@@ -545,22 +545,19 @@ def chunk_offsets(masks: Array, lo, hi, *, splits: int, capacity: int, chunk: in
     cnt = rows[0] if R == 1 else jnp.stack(rows, axis=1).reshape(G4, nch)    # [G4, nch]
     pre = jnp.concatenate([jnp.zeros((G4, 1), jnp.int32),
                            jnp.cumsum(cnt, axis=1, dtype=jnp.int32)], axis=1)  # [G4, nch + 1]
-    tile0 = klo // CH
-    ntile = jnp.maximum((khi + CH - 1) // CH - tile0, 0)
-    per = jnp.maximum((ntile + S - 1) // S, 1)
-    j = jnp.arange(nch, dtype=jnp.int32)[None, :]
-    rel = j - tile0[:, None]
-    inside = (rel >= 0) & (rel < ntile[:, None])
-    sj = jnp.clip(rel // per[:, None], 0, S - 1)
-    first = jnp.clip(tile0[:, None] + sj * per[:, None], 0, nch)
+    # each split's chunks [start, stop) [G4, S], as the kernels cut a range into splits
+    start, stop = split_key_tiles(klo[:, None], khi[:, None], CH, S,
+                                  jnp.arange(S, dtype=jnp.int32)[None, :])
+    start = jnp.clip(start, 0, nch)
+    stop = jnp.clip(jnp.maximum(stop, start), 0, nch)
+    j = jnp.arange(nch, dtype=jnp.int32)[None, :, None]
+    in_split = (j >= start[:, None, :]) & (j < stop[:, None, :])          # [G4, nch, S]
+    inside = jnp.any(in_split, axis=2)
+    sj = jnp.argmax(in_split, axis=2).astype(jnp.int32)                  # the chunk's split
     g = jnp.arange(G4, dtype=jnp.int32)[:, None]
     base = jnp.where(inside, (g * S + sj) * capacity, -1)
-    off = pre[:, :nch] - jnp.take_along_axis(pre, first, axis=1)
-    sts = tile0[:, None] + jnp.arange(S, dtype=jnp.int32)[None, :] * per[:, None]    # [G4, S]
-    ends = jnp.minimum(sts + per[:, None], (tile0 + ntile)[:, None])
-    a = jnp.clip(sts, 0, nch)
-    b = jnp.clip(jnp.maximum(ends, sts), 0, nch)
-    count = jnp.take_along_axis(pre, b, axis=1) - jnp.take_along_axis(pre, a, axis=1)
+    off = pre[:, :nch] - jnp.take_along_axis(pre, jnp.take_along_axis(start, sj, axis=1), axis=1)
+    count = jnp.take_along_axis(pre, stop, axis=1) - jnp.take_along_axis(pre, start, axis=1)
     return base.astype(jnp.int32), off.astype(jnp.int32), count.astype(jnp.int32)
 
 

@@ -39,7 +39,8 @@ from jax.experimental import pallas as pl
 from dosa_jax.seeds import distinct_visible
 from dosa_jax.selection import INT32_MIN, order_key
 from pallas_kernels import records as rec
-from pallas_kernels.common import (ID_BITS, THETA_NONE, cdiv, compiler_params, interpret_default,
+from pallas_kernels.common import (ID_BITS, THETA_NONE, cdiv, compiler_params, group_ranges,
+                                   interpret_default,
                                    kernel_order_key, round_up, unpack_entries)
 from pallas_kernels.dense import Operands, Tiles
 from pallas_kernels.refine import score_list_tile
@@ -70,15 +71,6 @@ def _group_visibility(ids, lo4, hi4, valid):
 
 
 # ------------------------------------------------------------------ seed lists
-
-def group_ranges(lo4: Array, hi4: Array):
-    """Over each group's non-empty ranges ([G4, 4] lo/hi): (non-empty [G4, 4], min lo,
-    max hi, min hi [G4]); a group with no visible key gets min lo 2^31 − 1, max hi 0."""
-    ne = hi4 > lo4
-    big = 2 ** 31 - 1
-    return (ne, jnp.min(jnp.where(ne, lo4, big), axis=1), jnp.max(jnp.where(ne, hi4, 0), axis=1),
-            jnp.min(jnp.where(ne, hi4, big), axis=1))
-
 
 def group_seed_lists(lo: Array, hi: Array, Tpad: int, size: int, sinks: int, local: int,
                      block: int, witnesses=None):
