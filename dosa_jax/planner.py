@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from dosa_jax import enclosure as enc
 from dosa_jax import numerics as nm
-from dosa_jax.bounds import heads, negative, positive
+from dosa_jax.bounds import allowance_estimate, heads, negative, positive
 from dosa_jax.plan import ScreeningPlan
 
 
@@ -55,7 +55,7 @@ def plan_for_mask(q, w, p, retained, config, R: int, *, fp8_aggregate: bool = Fa
                                                      config.positive_projection)
     w_fold, fold_abs = positive.folded_weights(w, retained, omitted_pos, anchor, beta)
     resid_err = positive.residual_error(q, beta, anchor, omitted_pos)
-    groups = config.residual_groups if D % config.residual_groups == 0 else 1
+    groups = residual_groups(config, D)
     E = positive.residual_allowance_upper(w, resid, omitted_pos, resid_err,
                                           config.positive_residual, groups)
     E = jnp.where(jnp.any(omitted_pos), E, 0.0)
@@ -100,6 +100,31 @@ def plan_for_mask(q, w, p, retained, config, R: int, *, fp8_aggregate: bool = Fa
     return plan, details
 
 
+def residual_groups(config, D: int) -> int:
+    """Coordinate groups of the grouped allowance (App. A.1): ``config.residual_groups``
+    when it divides D, else 1."""
+    return config.residual_groups if D % config.residual_groups == 0 else 1
+
+
+def estimated_details(q, w, p, retained, config, grams):
+    """:class:`PlanDetails` of one query's retained mask with the residual allowance as the
+    real-number estimate of :func:`dosa_jax.bounds.allowance_estimate.allowance_estimate`
+    (from the query's ``head_grams``), not the certified bound: what the automatic budget
+    needs to price a candidate (Eq. 9 on the sample), at O(H²) per candidate. Never a plan.
+    """
+    omitted_pos, omitted_neg = heads.omitted_heads(w, retained)
+    anchor, beta, _ = positive.anchor_projection(q, retained, omitted_pos,
+                                                 config.positive_projection, gram=grams[0])
+    w_fold, _ = positive.folded_weights(w, retained, omitted_pos, anchor, beta)
+    E = allowance_estimate.allowance_estimate(grams, w, omitted_pos, anchor, beta,
+                                              config.positive_residual)
+    support = negative.negative_support(p, omitted_neg, config.negative_support)
+    return PlanDetails(retained=retained, omitted_pos=omitted_pos, omitted_neg=omitted_neg,
+                       support=support, anchor=anchor, beta=beta, w_fold=w_fold,
+                       support_weight=jnp.where(support, jnp.abs(w), 0.0), residual=E,
+                       activation=p)
+
+
 def retained_mask(q, w, p, r, config):
     """R for budget r (SPEC §4) from head norms and activation frequencies."""
     qn = jnp.sqrt(jnp.sum(q * q, axis=-1))
@@ -116,6 +141,9 @@ def build_plan(q, w, p, config, *, sample_dots=None, sample_norms=None, sample_v
     (Eq. 9) is evaluated on the sample keys' head dots, the surviving fraction m
     estimated against τ, and the budget minimising (r + d_a)/H + κ·m chosen
     (Eq. 21 with κ = ``survivor_weight``; 1 counts dot products as the paper does).
+    The candidates' allowances E are real-number estimates from the query's head Grams
+    (:func:`estimated_details`; on the H200 the certified allowances of every candidate
+    were most of the planner's time); only the chosen budget's plan is built, certified.
 
     ``program_queries`` > 1: one budget for each block of that many consecutive queries
     (a screening program, which pays for the largest budget among its queries anyway),
@@ -142,8 +170,12 @@ def build_plan(q, w, p, config, *, sample_dots=None, sample_norms=None, sample_v
         return plan, det, jnp.full((q.shape[0],), budgets[0], jnp.int32)
     rs = jnp.asarray(budgets, jnp.int32)
 
+    groups = residual_groups(config, q.shape[2])
+
     def costs(qt, wt, pt, x, kn, ok, tt):   # [len(budgets)] for one query
-        dets = jax.vmap(lambda r: for_r(qt, wt, pt, r)[1])(rs)
+        grams = allowance_estimate.head_grams(qt, groups)     # once per query, every budget
+        dets = jax.vmap(lambda r: estimated_details(
+            qt, wt, pt, retained_mask(qt, wt, pt, r, config), config, grams))(rs)
         return jax.vmap(lambda det, r: budget_mod.estimated_cost(
             x, kn, ok, tt, det, r, d_a, H, survivor_weight))(dets, rs)
 

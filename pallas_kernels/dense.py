@@ -135,6 +135,9 @@ class Tiles(NamedTuple):
     # splits are cut at chunk boundaries) and chunks per program (loaded together)
     compact_chunk: int = 2048
     compact_chunks: int = 2
+    # chunks per program of the compaction's survivor count (pallas_kernels.screen.chunk_counts,
+    # one read of the masks); 0: the XLA reduction (1.65-2.0 ms per call at T=16K, N=1M)
+    count_chunks: int = 8
     # the screen writes one byte per key for each pair of groups (4 bits each) instead of one per
     # group, and the compaction reads it once for both: half the mask bytes. Applies when every
     # budget class screens "kc" programs of 8 queries (screen.can_pack); else one byte per group.
@@ -195,6 +198,9 @@ def check_tiles(tiles: Tiles) -> Tiles:
             raise ValueError(f"tiles.{f} must be a power of two >= 1, got {v!r}")
     if tiles.compact_chunk < 16:
         raise ValueError(f"tiles.compact_chunk must be >= 16, got {tiles.compact_chunk}")
+    c = tiles.count_chunks
+    if not isinstance(c, int) or c < 0 or c & (c - 1):
+        raise ValueError(f"tiles.count_chunks must be 0 or a power of two, got {c!r}")
     return tiles
 
 

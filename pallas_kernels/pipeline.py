@@ -164,7 +164,7 @@ def _score_key(theta):
 
 
 #: Queries per chunk of the planner's sample dots (one XLA dot per chunk, in a ``lax.map``).
-PLAN_SAMPLE_CHUNK = 1024
+PLAN_SAMPLE_CHUNK = 2048
 _BF16_EXACT = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn))
 
 
@@ -177,7 +177,7 @@ def _plan_sample(q, k, k_scale, knorm, lo, hi, config, mma: bool = True):
     ``mma`` (``Tiles.plan_sample_mma``) with bf16/FP8 queries and keys: one bf16 dot with
     float32 accumulation per chunk (exact products) instead of float32 HIGHEST dots of
     256-query chunks (session 12 on the H200: 64 dots and gathers, about 3.8 ms per call at
-    T = 16K). The dots only steer the plan (which heads, which budget); no bound uses them.
+    T = 16K). The ids are in range (clipped), so the gathers need no bounds select. The dots only steer the plan (which heads, which budget); no bound uses them.
     Returns (payload dots [T, P, H] for p_h, dots and norms in score units (× α_i),
     validity [T, P]).
     """
@@ -191,10 +191,10 @@ def _plan_sample(q, k, k_scale, knorm, lo, hi, config, mma: bool = True):
     def chunk(args):
         qc, idc = args
         if mma:
-            kk = jnp.take(k, idc, axis=0).astype(jnp.bfloat16)        # [c, P, D], exact
+            kk = jnp.take(k, idc, axis=0, mode="clip").astype(jnp.bfloat16)   # [c, P, D], exact
             return jnp.einsum("thd,tpd->tph", qc.astype(jnp.bfloat16), kk,
                               preferred_element_type=jnp.float32)
-        kk = jnp.take(k, idc, axis=0).astype(jnp.float32)             # [c, P, D]
+        kk = jnp.take(k, idc, axis=0, mode="clip").astype(jnp.float32)    # [c, P, D]
         return jnp.einsum("thd,tpd->tph", qc.astype(jnp.float32), kk,
                           precision=lax.Precision.HIGHEST)
     c = min(PLAN_SAMPLE_CHUNK if mma else 256, round_up(T, 8))
@@ -364,6 +364,7 @@ def screen_by_budget(plan, budget, classes, agg_cols, agg_w, coef, eps, tau, pru
     packed, count = compact_masks(masks, lo, hi, splits=splits, capacity=capacity,
                                   chunk=tiles.compact_chunk,
                                   chunks_per_program=tiles.compact_chunks, packed=pack,
+                                  count_chunks=tiles.count_chunks,
                                   interpret=interpret)
     return Survivors(packed, count, per_query[:T])
 

@@ -95,6 +95,8 @@ PACKED_QUERIES = 2 * GROUP
 COMPACT_CHUNK = 2048
 #: Chunks written by one compaction program (all loaded first; a power of two).
 COMPACT_CHUNKS_PER_PROGRAM = 2
+#: Chunks per program of the survivor count kernel (:func:`chunk_counts`; 0: XLA reduction).
+COUNT_CHUNKS_PER_PROGRAM = 8
 
 
 class ScreenOperands(NamedTuple):
@@ -504,22 +506,13 @@ def _compact_kernel(mk_ref, lo_ref, hi_ref, base_ref, off_ref, sv_ref, *, N: int
                                ids | (bg << ID_BITS), mask=w)
 
 
-def chunk_offsets(masks: Array, lo, hi, *, splits: int, capacity: int, chunk: int,
-                  packed: bool = False):
-    """Where each chunk of each group's mask bytes goes in the survivor lists (XLA).
-
-    A group's range (the union of its 4 queries' [lo, hi)) is cut into chunks of ``chunk``
-    keys (``chunk``-aligned, as :func:`pallas_kernels.common.split_key_tiles` cuts it into
-    the splits' chunks). For every (group, chunk): the survivors (keys of the range with a
-    nonzero byte) are counted, and the chunk's list (``(g·S + s)·Cs``, −1 outside the range)
-    and its offset in it (the survivors of the split's earlier chunks) follow by an exclusive
-    prefix sum. ``packed``: masks [G4/2, N], group 2p's bits in the low nibble of row p, group
-    2p + 1's in the high one. Returns (base [G4, nch], offset [G4, nch], count [G4, S]: the
-    true survivors of each list, which may exceed ``capacity``).
-    """
+def chunk_counts_reference(masks: Array, lo, hi, *, chunk: int, packed: bool = False):
+    """Survivors of every (group, chunk) [G4, nch] (XLA; twin of :func:`chunk_counts`): the keys
+    of the chunk inside the group's range (the union of its 4 queries' [lo, hi)) whose 4 bits
+    are not all zero. ``packed``: masks [G4/2, N], group 2p's bits in the low nibble of row p,
+    group 2p + 1's in the high one; lo, hi: [4·G4]."""
     N = masks.shape[1]
     G4 = masks.shape[0] * (2 if packed else 1)
-    S = splits
     CH = chunk
     nch = -(-N // CH)
     _, klo, khi, _ = group_ranges(lo.reshape(G4, GROUP), hi.reshape(G4, GROUP))
@@ -542,7 +535,68 @@ def chunk_offsets(masks: Array, lo, hi, *, splits: int, capacity: int, chunk: in
         if N % CH:
             parts.append(kept(masks[:, full * CH:][:, None, :], full, h, R))
         rows.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1))
-    cnt = rows[0] if R == 1 else jnp.stack(rows, axis=1).reshape(G4, nch)    # [G4, nch]
+    return rows[0] if R == 1 else jnp.stack(rows, axis=1).reshape(G4, nch)    # [G4, nch]
+
+
+def _count_kernel(mk_ref, lo_ref, hi_ref, cnt_ref, *, N: int, CH: int, CPP: int, nchp: int,
+                  R: int):
+    """Program (r, p): the survivors of chunks p·CPP … p·CPP + CPP − 1 of mask row r for each of
+    the row's R groups (the loads of :func:`_compact_kernel`), one CPP-vector store per group."""
+    r = pl.program_id(0)
+    p = pl.program_id(1)
+    lanes = jnp.arange(CH, dtype=jnp.int32)
+    sel = jnp.arange(CPP, dtype=jnp.int32)
+    chunks = []
+    for c in range(CPP):
+        ids = (p * CPP + c) * CH + lanes
+        b = rec._plgpu().load(mk_ref.at[pl.ds(r * N + (p * CPP + c) * CH, CH)],
+                              mask=ids < N, other=0)
+        chunks.append((ids, b.astype(jnp.int32)))
+    for h in range(R):
+        g = r * R + h
+        klo, khi = group_range(lo_ref[pl.ds(g * GROUP, GROUP)], hi_ref[pl.ds(g * GROUP, GROUP)])
+        out = jnp.zeros((CPP,), jnp.int32)
+        for c, (ids, b) in enumerate(chunks):
+            keep = (ids >= klo) & (ids < khi) & (((b >> (4 * h)) & 0xF) != 0)
+            out = jnp.where(sel == c, jnp.sum(keep.astype(jnp.int32)), out)
+        cnt_ref[pl.ds(g * nchp + p * CPP, CPP)] = out
+
+
+@functools.partial(jax.jit, static_argnames=("CH", "CPP", "packed", "interpret"))
+def chunk_counts(masks: Array, lo, hi, *, CH: int, CPP: int, packed: bool = False,
+                 interpret: bool = False):
+    """:func:`chunk_counts_reference` as a Pallas Triton kernel (grid: mask rows × programs of
+    CPP chunks): one read of the masks with 16-byte loads. lo, hi: [4·G4] int32."""
+    N = masks.shape[1]
+    R = 2 if packed else 1
+    G4 = masks.shape[0] * R
+    nch = -(-N // CH)
+    nprog = -(-nch // CPP)
+    nchp = nprog * CPP
+    kern = functools.partial(_count_kernel, N=N, CH=CH, CPP=CPP, nchp=nchp, R=R)
+    cnt = pl.pallas_call(
+        kern, grid=(masks.shape[0], nprog),
+        out_shape=jax.ShapeDtypeStruct((G4 * nchp,), jnp.int32),
+        compiler_params=compiler_params(4, 2), interpret=interpret,
+        name="dosa_count_survivors")(masks.reshape(-1), lo, hi)
+    return cnt.reshape(G4, nchp)[:, :nch]
+
+
+def chunk_offsets(cnt: Array, lo, hi, *, splits: int, capacity: int, chunk: int):
+    """Where each chunk of each group's mask bytes goes in the survivor lists (XLA).
+
+    A group's range (the union of its 4 queries' [lo, hi)) is cut into chunks of ``chunk``
+    keys (``chunk``-aligned, as :func:`pallas_kernels.common.split_key_tiles` cuts it into
+    the splits' chunks). From every (group, chunk)'s survivors ``cnt`` [G4, nch]
+    (:func:`chunk_counts`), the chunk's list (``(g·S + s)·Cs``, −1 outside the range) and its
+    offset in it (the survivors of the split's earlier chunks) follow by an exclusive prefix
+    sum. Returns (base [G4, nch], offset [G4, nch], count [G4, S]: the true survivors of each
+    list, which may exceed ``capacity``).
+    """
+    G4, nch = cnt.shape
+    S = splits
+    CH = chunk
+    _, klo, khi, _ = group_ranges(lo.reshape(G4, GROUP), hi.reshape(G4, GROUP))
     pre = jnp.concatenate([jnp.zeros((G4, 1), jnp.int32),
                            jnp.cumsum(cnt, axis=1, dtype=jnp.int32)], axis=1)  # [G4, nch + 1]
     # each split's chunks [start, stop) [G4, S], as the kernels cut a range into splits
@@ -561,13 +615,15 @@ def chunk_offsets(masks: Array, lo, hi, *, splits: int, capacity: int, chunk: in
     return base.astype(jnp.int32), off.astype(jnp.int32), count.astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("S", "Cs", "CH", "CPP", "packed", "interpret"))
-def _compact_call(masks, lo, hi, *, S, Cs, CH, CPP, packed, interpret):
+@functools.partial(jax.jit, static_argnames=("S", "Cs", "CH", "CPP", "CCPP", "packed",
+                                             "interpret"))
+def _compact_call(masks, lo, hi, *, S, Cs, CH, CPP, CCPP, packed, interpret):
     N = masks.shape[1]
     R = 2 if packed else 1
     G4 = masks.shape[0] * R
-    base, off, count = chunk_offsets(masks, lo, hi, splits=S, capacity=Cs, chunk=CH,
-                                     packed=packed)
+    cnt = (chunk_counts(masks, lo, hi, CH=CH, CPP=CCPP, packed=packed, interpret=interpret)
+           if CCPP else chunk_counts_reference(masks, lo, hi, chunk=CH, packed=packed))
+    base, off, count = chunk_offsets(cnt, lo, hi, splits=S, capacity=Cs, chunk=CH)
     nch = base.shape[1]
     nprog = -(-nch // CPP)
     nchp = nprog * CPP
@@ -584,17 +640,18 @@ def _compact_call(masks, lo, hi, *, S, Cs, CH, CPP, packed, interpret):
 
 def compact_masks(masks: Array, lo, hi, *, splits: int, capacity: int, chunk: int = COMPACT_CHUNK,
                   chunks_per_program: int = COMPACT_CHUNKS_PER_PROGRAM, packed: bool = False,
-                  interpret=None):
+                  count_chunks: int = COUNT_CHUNKS_PER_PROGRAM, interpret=None):
     """Survivor lists from screening masks (Pallas Triton; twin :func:`compact_masks_reference`).
 
     Group g's list split s holds, in ascending order, ``id | bits << 27`` for every key of
     the group's range (the union of its 4 queries' [lo, hi)) in the split's part with
     nonzero bits; the count is the true number (it may exceed ``capacity``: overflow).
 
-    Two passes, both parallel over the keys: :func:`chunk_offsets` counts every chunk's
-    survivors and turns them into offsets (XLA: a reduction and a prefix sum over chunks),
-    then the kernel writes each chunk at its offset, ``chunks_per_program`` chunks per
-    program. Until session 12 one program per (group, split) walked its keys chunk after
+    Two passes, both parallel over the keys: :func:`chunk_counts` counts every chunk's
+    survivors (a kernel reading ``count_chunks`` chunks per program; 0: the XLA reduction
+    :func:`chunk_counts_reference`, 1.65–2.0 ms per call at T=16K, N=1M on the H200) and
+    :func:`chunk_offsets` turns the counts into offsets (a prefix sum over chunks), then the
+    kernel writes each chunk at its offset, ``chunks_per_program`` chunks per program. Until session 12 one program per (group, split) walked its keys chunk after
     chunk, carrying the count: 13.2 of 234 ms at T=16K, N=1M on the H200, latency-bound; now
     8.1 ms plus a 1.65 ms count pass (2048-key chunks, two per program: at T=4096, N=1M
     2.03 ms against 2.05–2.56 ms for 1 × 2048, 4 × 1024, 1 × 4096 and 1 × 8192).
@@ -606,7 +663,8 @@ def compact_masks(masks: Array, lo, hi, *, splits: int, capacity: int, chunk: in
       masks: [G4, N] int8 (:func:`screen_masks`); lo, hi: [T] the screening ranges.
     Returns: (packed [G4, splits, Cs] int32, count [G4, splits] int32).
     """
-    for name, v in (("chunk", chunk), ("chunks_per_program", chunks_per_program)):
+    for name, v in (("chunk", chunk), ("chunks_per_program", chunks_per_program),
+                    ("count_chunks", count_chunks or 1)):
         if int(v) < 1 or int(v) & (int(v) - 1):
             raise ValueError(f"compact_masks: {name} must be a power of two >= 1, got {v}")
     if interpret is None:
@@ -615,7 +673,8 @@ def compact_masks(masks: Array, lo, hi, *, splits: int, capacity: int, chunk: in
     lo = pad_axis(lo.astype(jnp.int32), 0, G4 * GROUP)
     hi = pad_axis(hi.astype(jnp.int32), 0, G4 * GROUP)
     return _compact_call(masks, lo, hi, S=splits, Cs=round_up(capacity, 16), CH=chunk,
-                         CPP=int(chunks_per_program), packed=bool(packed), interpret=interpret)
+                         CPP=int(chunks_per_program), CCPP=int(count_chunks), packed=bool(packed),
+                         interpret=interpret)
 
 
 def screening_bound_reference(rows, row_w, agg_cols, agg_w, coef, eps, k_pieces, knorm, scale,

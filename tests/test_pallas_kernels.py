@@ -21,7 +21,8 @@ from dosa_jax.config import Config
 from dosa_jax.selection import exact_topk as ref_exact_topk
 from pallas_kernels import dense, pipeline, records, screen
 from pallas_kernels import select as pselect
-from pallas_kernels.common import THETA_NONE, lane_aligned_order, mma_pieces, on_gpu
+from pallas_kernels.common import (THETA_NONE, interpret_default, lane_aligned_order, mma_pieces,
+                                   on_gpu)
 from kernel_checks import (assert_screening_bound_holds_on_every_key, jit_dosa_details,
                            unpack_survivors)
 
@@ -212,9 +213,9 @@ def test_screen_matches_twin(single_piece, layout, bq, lane_sums, absolute, defe
     assert int(jnp.max(scount)) > 16
 
 
-@pytest.mark.parametrize("splits,cpp,packed", [(1, 1, False), (2, 4, False), (3, 8, False),
-                                               (2, 4, True), (3, 1, True)])
-def test_compaction_writes_every_chunk_at_its_offset(splits, cpp, packed):
+@pytest.mark.parametrize("splits,cpp,packed,count_chunks", [
+    (1, 1, False, 0), (2, 4, False, 8), (3, 8, False, 2), (2, 4, True, 1), (3, 1, True, 16)])
+def test_compaction_writes_every_chunk_at_its_offset(splits, cpp, packed, count_chunks):
     """The two-pass compaction (chunk offsets by a prefix sum, then one write per chunk) against
     its twin, entry by entry: garbage bytes outside each group's range (never read), ranges
     not aligned to chunks, N not a multiple of the chunk, an empty group, a group of one key,
@@ -241,7 +242,8 @@ def test_compaction_writes_every_chunk_at_its_offset(splits, cpp, packed):
     for cap in (1024, 16):
         lists, count = screen.compact_masks(jnp.asarray(masks), jnp.asarray(lo), jnp.asarray(hi),
                                             splits=splits, capacity=cap, chunk=CH,
-                                            chunks_per_program=cpp, packed=packed)
+                                            chunks_per_program=cpp, packed=packed,
+                                            count_chunks=count_chunks)
         lists, count = np.asarray(lists), np.asarray(count)
         for g in range(G4):
             for s_ in range(splits):
@@ -251,6 +253,36 @@ def test_compaction_writes_every_chunk_at_its_offset(splits, cpp, packed):
         um = screen.unpack_masks(masks) if packed else masks
         assert count[2].sum() == 0 and count[1].sum() == int((um[1, 130] & 0xF) != 0)
     assert max(len(x) for row in want for x in row) > 16          # some list overflowed
+
+
+@pytest.mark.parametrize("cpp,packed,N", [(1, False, 1000), (8, False, 1024), (2, True, 999),
+                                          (16, True, 64)])
+def test_chunk_count_kernel_matches_twin(cpp, packed, N):
+    """The survivor count kernel against its XLA twin on every (group, chunk): garbage bytes
+    (high bits, outside the ranges), ranges not aligned to chunks, empty groups, N not a
+    multiple of the chunk, fewer chunks than a program reads; and against numpy."""
+    rng = np.random.default_rng(cpp + N)
+    G4, CH = 6, 64
+    rows = G4 // 2 if packed else G4
+    masks = rng.integers(-128, 128, (rows, N)).astype(np.int8)
+    masks[rng.random((rows, N)) < 0.5] = 0x30 if not packed else 0
+    lo = rng.integers(0, N, 4 * G4).astype(np.int32)
+    hi = np.minimum(lo + rng.integers(0, N, 4 * G4), N).astype(np.int32)
+    lo[8:12] = hi[8:12]                                  # group 2: all empty
+    args = (jnp.asarray(masks), jnp.asarray(lo), jnp.asarray(hi))
+    got = np.asarray(screen.chunk_counts(*args, CH=CH, CPP=cpp, packed=packed,
+                                         interpret=interpret_default()))
+    want = np.asarray(screen.chunk_counts_reference(*args, chunk=CH, packed=packed))
+    np.testing.assert_array_equal(got, want)
+    um = (screen.unpack_masks(masks) if packed else masks).astype(np.int32) & 0xF
+    for g in range(G4):
+        l4, h4 = lo[4 * g:4 * g + 4], hi[4 * g:4 * g + 4]
+        ne = h4 > l4
+        a, b = (l4[ne].min(), h4[ne].max()) if ne.any() else (0, 0)
+        keep = np.zeros(N, bool)
+        keep[a:b] = um[g, a:b] != 0
+        np.testing.assert_array_equal(want[g], np.add.reduceat(keep, np.arange(0, N, CH)))
+    assert want[2].sum() == 0 and want.sum() > 0
 
 
 def test_lane_aligned_order_puts_each_query_in_one_thread():

@@ -32,12 +32,14 @@ HIGHEST = lax.Precision.HIGHEST
 RESIDUALS = ("triangle", "joint", "grouped", "best")
 
 
-def anchor_projection(q, retained, omitted_pos, use_projection: bool = True):
+def anchor_projection(q, retained, omitted_pos, use_projection: bool = True, gram=None):
     """Anchors j*_h, coefficients β_h ≥ 0 and residuals d_h for omitted positive heads.
 
     Args:
       q: [H, D] float32 head vectors; retained: [H] bool; omitted_pos: [H] bool (P).
       use_projection: False gives β = 0, d_h = q_h (the "no positive projection" ablation).
+      gram: q qᵀ [H, H] when the caller has it (``allowance_estimate.head_grams``), else
+        computed here (float32, HIGHEST precision).
     Returns:
       anchor [H] int32 (−1 where h ∉ P or no anchor), beta [H] float32 (0 off P),
       residual [H, D] float32 (0 off P).
@@ -48,7 +50,8 @@ def anchor_projection(q, retained, omitted_pos, use_projection: bool = True):
     if not use_projection:
         resid = jnp.where(omitted_pos[:, None], q, 0.0)
         return jnp.full((H,), -1, jnp.int32), jnp.zeros((H,), jnp.float32), resid
-    gram = jnp.einsum("hd,jd->hj", q, q, precision=HIGHEST)
+    if gram is None:
+        gram = jnp.einsum("hd,jd->hj", q, q, precision=HIGHEST)
     match = jnp.where(qn[None, :] > 0, jnp.maximum(gram, 0.0) / jnp.where(qn > 0, qn, 1.0)[None, :], 0.0)
     match = jnp.where(retained[None, :], match, -1.0)
     anchor = jnp.argmax(match, axis=1).astype(jnp.int32)  # first maximum: lowest index
