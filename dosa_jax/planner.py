@@ -106,18 +106,19 @@ def residual_groups(config, D: int) -> int:
     return config.residual_groups if D % config.residual_groups == 0 else 1
 
 
-def estimated_details(q, w, p, retained, config, grams):
+def estimated_details(q, w, p, retained, config, gram):
     """:class:`PlanDetails` of one query's retained mask with the residual allowance as the
-    real-number estimate of :func:`dosa_jax.bounds.allowance_estimate.allowance_estimate`
-    (from the query's ``head_grams``), not the certified bound: what the automatic budget
-    needs to price a candidate (Eq. 9 on the sample), at O(H²) per candidate. Never a plan.
+    real-number estimate of :func:`dosa_jax.bounds.allowance_estimate.allowance_estimate`,
+    not the certified bound: what the automatic budget needs to price a candidate (Eq. 9 on
+    the sample). ``gram``: the query's ``head_gram``. Never a plan.
     """
     omitted_pos, omitted_neg = heads.omitted_heads(w, retained)
     anchor, beta, _ = positive.anchor_projection(q, retained, omitted_pos,
-                                                 config.positive_projection, gram=grams[0])
+                                                 config.positive_projection, gram=gram)
     w_fold, _ = positive.folded_weights(w, retained, omitted_pos, anchor, beta)
-    E = allowance_estimate.allowance_estimate(grams, w, omitted_pos, anchor, beta,
-                                              config.positive_residual)
+    E = allowance_estimate.allowance_estimate(q, w, omitted_pos, anchor, beta,
+                                              config.positive_residual,
+                                              residual_groups(config, q.shape[1]))
     support = negative.negative_support(p, omitted_neg, config.negative_support)
     return PlanDetails(retained=retained, omitted_pos=omitted_pos, omitted_neg=omitted_neg,
                        support=support, anchor=anchor, beta=beta, w_fold=w_fold,
@@ -170,12 +171,10 @@ def build_plan(q, w, p, config, *, sample_dots=None, sample_norms=None, sample_v
         return plan, det, jnp.full((q.shape[0],), budgets[0], jnp.int32)
     rs = jnp.asarray(budgets, jnp.int32)
 
-    groups = residual_groups(config, q.shape[2])
-
     def costs(qt, wt, pt, x, kn, ok, tt):   # [len(budgets)] for one query
-        grams = allowance_estimate.head_grams(qt, groups)     # once per query, every budget
+        gram = allowance_estimate.head_gram(qt)               # once per query, every budget
         dets = jax.vmap(lambda r: estimated_details(
-            qt, wt, pt, retained_mask(qt, wt, pt, r, config), config, grams))(rs)
+            qt, wt, pt, retained_mask(qt, wt, pt, r, config), config, gram))(rs)
         return jax.vmap(lambda det, r: budget_mod.estimated_cost(
             x, kn, ok, tt, det, r, d_a, H, survivor_weight))(dets, rs)
 

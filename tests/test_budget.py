@@ -9,6 +9,7 @@ import pytest
 
 from dosa_jax import budget as budget_mod
 from dosa_jax import synthetic
+from dosa_jax.bounds import positive
 from dosa_jax.bounds.heads import activation_frequencies
 from dosa_jax.config import Config
 from dosa_jax.planner import build_plan
@@ -28,11 +29,27 @@ def _sample(T=12, P=96, H=8, D=16, seed=4):
     return q, inp.w, p, x, kn, valid, tau
 
 
+def _real_allowance(qt, wt, det, groups):
+    """E of one query's plan details as the real number (Eq. 6, 7, App. A.1; ``best``), from
+    its residual vectors: what the automatic budget prices a candidate with."""
+    _, _, d = positive.anchor_projection(qt, det.retained, det.omitted_pos)
+    u = wt[:, None] * d
+    tri = positive.triangle_allowance(wt, d, det.omitted_pos)
+    e = jnp.minimum(tri, jnp.minimum(positive.joint_allowance(u),
+                                     positive.grouped_allowance(u, groups)))
+    return jnp.where(jnp.any(det.omitted_pos), e, 0.0)
+
+
 def _costs(q, w, p, x, kn, valid, tau, cfg, kappa):
-    """[T, n_budgets] costs, each from a plan built for that budget alone."""
+    """[T, n_budgets] costs, each from the details of a plan built for that budget alone, with
+    the real-number allowance of its residuals (never above the plan's certified one)."""
     out = []
     for r in cfg.budgets(q.shape[1]):
         _, det, _ = build_plan(q, w, p, cfg.replace(retained_heads=r))
+        real = jax.vmap(lambda qt, wt, d: _real_allowance(qt, wt, d, cfg.residual_groups))(
+            q, w, det)
+        assert np.all(np.asarray(real) <= np.asarray(det.residual))
+        det = det._replace(residual=real)
         out.append(jax.vmap(lambda *a: budget_mod.estimated_cost(*a, r, 1, q.shape[1], kappa))(
             x, kn, valid, tau, det))
     return np.stack([np.asarray(c) for c in out], axis=1)

@@ -1,26 +1,19 @@
-"""Real-number residual allowances of many retained sets from one query's head Grams.
+"""Real-number residual allowances of the automatic budget's candidates (steering only).
 
 The automatic budget (Eq. 18–21) prices every candidate budget by its real-number
 certificate (Eq. 9) on the planner's sample, which needs the residual allowance E
 (triangle Eq. 6, joint Eq. 7, grouped App. A.1) of every candidate's retained set.
-Each weighted residual is a combination of two head vectors,
+The certified allowances (:mod:`dosa_jax.bounds.positive`'s ``*_upper``: scaled norms,
+inflated sums, each Gram's rounding) of every candidate were most of the planner's time
+on the H200 (about 9 of 15 ms per call at T=16K). Here the candidates get the real-number
+values: the weighted residuals u_h = w_h (q_h − β_h q_{j_h}) are built group-major, one
+batched product forms the group Grams (their sum is the full Gram, Eq. 7), and triangle,
+joint and grouped values follow from the Grams' sums; the query's head Gram q qᵀ (the
+anchors' matches) is computed once for every candidate.
 
-    u_h = c_h q_h − b_h q_{j_h},   c_h = w_h on P (0 elsewhere),  b_h = w_h β_h,
-
-with j_h the anchor of h (Eq. 4–5), so every inner product of residuals is a
-combination of entries of the query's head Gram Q = q qᵀ:
-
-    u_h·u_l = c_h c_l Q_hl − c_h b_l Q_{h j_l} − b_h c_l Q_{j_h l} + b_h b_l Q_{j_h j_l},
-
-and the group-restricted ones (App. A.1) of the group Grams Q_g = q_g q_gᵀ (Σ_g Q_g = Q).
-:func:`head_grams` computes Q and the Q_g once per query (H²·D products); each
-candidate then costs O(H²) per Gram (:func:`residual_grams`, :func:`allowance_estimate`)
-instead of the O(H²·D) of forming its residuals and their Grams again.
-
-These are estimates that steer the plan (which budget), never bounds: the
-combination cancels where a residual is small against its head (relative error about
-2⁻²³‖q_h‖²/‖u_h‖²), and no rounding is covered. The chosen budget's plan carries the
-certified allowance (:func:`dosa_jax.bounds.positive.residual_allowance_upper`).
+These are estimates that steer the plan (which budget), never bounds: no rounding is
+covered. The chosen budget's plan carries the certified allowance
+(:func:`dosa_jax.bounds.positive.residual_allowance_upper`).
 """
 
 from __future__ import annotations
@@ -33,35 +26,25 @@ from dosa_jax.bounds.positive import RESIDUALS
 HIGHEST = lax.Precision.HIGHEST
 
 
-def head_grams(q, groups: int):
-    """[1 + groups, H, H]: the head Gram q qᵀ, then the Grams of the ``groups`` contiguous
-    coordinate groups (float32, HIGHEST precision). ``groups`` must divide D."""
-    H, D = q.shape
+def head_gram(q):
+    """q qᵀ [H, H] (float32, HIGHEST precision): the anchors' matches (Eq. 4–5), computed once
+    per query for every candidate (``positive.anchor_projection(..., gram=)``)."""
     q = q.astype(jnp.float32)
-    full = jnp.einsum("hd,ld->hl", q, q, precision=HIGHEST)
-    qg = q.reshape(H, groups, D // groups)
-    grp = jnp.einsum("hgd,lgd->ghl", qg, qg, precision=HIGHEST)
-    return jnp.concatenate([full[None], grp], axis=0)
+    return jnp.einsum("hd,ld->hl", q, q, precision=HIGHEST)
 
 
-def residual_grams(grams, w, omitted_pos, anchor, beta):
-    """[G, H, H] Grams u_h·u_l of the weighted residuals u_h = w_h (q_h − β_h q_{j_h}) for
-    h ∈ P (zero rows elsewhere), from :func:`head_grams` (any leading axis G of Grams).
-
-    ``anchor`` −1 (no anchor) must come with β_h = 0 (as ``anchor_projection`` returns).
-    """
+def residual_group_grams(q, w, omitted_pos, anchor, beta, groups: int):
+    """[groups, H, H] Grams of the group-restricted weighted residuals (App. A.1),
+    u_h = w_h (q_h − β_h q_{j_h}) on P (zero rows elsewhere); their sum over groups is the
+    full residual Gram (Eq. 7). The residuals are built group-major ([groups, H, D/groups]),
+    so one batched product forms every Gram. ``anchor`` −1 must come with β_h = 0."""
+    H, D = q.shape
+    qg = q.astype(jnp.float32).reshape(H, groups, D // groups).transpose(1, 0, 2)
     c = jnp.where(omitted_pos, w, 0.0)
     b = jnp.where(omitted_pos & (anchor >= 0), w * beta, 0.0)
-    j = jnp.maximum(anchor, 0)
-    q_hl = grams                                  # Q_hl
-    q_hj = jnp.take(grams, j, axis=2)             # Q_{h j_l}
-    q_jl = jnp.take(grams, j, axis=1)             # Q_{j_h l}
-    q_jj = jnp.take(q_jl, j, axis=2)              # Q_{j_h j_l}
-    cc = c[:, None] * c[None, :]
-    cb = c[:, None] * b[None, :]
-    bc = b[:, None] * c[None, :]
-    bb = b[:, None] * b[None, :]
-    return cc * q_hl - cb * q_hj - bc * q_jl + bb * q_jj
+    u = c[None, :, None] * qg - b[None, :, None] * jnp.take(qg, jnp.maximum(anchor, 0), axis=1,
+                                                             mode="clip")
+    return jnp.einsum("ghd,gld->ghl", u, u, precision=HIGHEST)
 
 
 def _joint(g):
@@ -70,21 +53,21 @@ def _joint(g):
     return 0.5 * (jnp.sqrt(jnp.maximum(s2, 0.0)) + jnp.sqrt(jnp.sum(jnp.abs(g), axis=(-2, -1))))
 
 
-def allowance_estimate(grams, w, omitted_pos, anchor, beta, mode: str):
-    """The configured residual allowance E (``positive_residual``) as a real-number estimate,
-    from :func:`head_grams`: triangle Σ_P ‖u_h‖ (Eq. 6), joint (Eq. 7), grouped
-    sqrt(Σ_g B_g²) (App. A.1), or ``best`` (the least of the three), as
+def allowance_estimate(q, w, omitted_pos, anchor, beta, mode: str, groups: int):
+    """The configured residual allowance E (``positive_residual``) as a real-number estimate:
+    triangle Σ_P ‖u_h‖ (Eq. 6), joint (Eq. 7), grouped sqrt(Σ_g B_g²) over ``groups``
+    coordinate groups (App. A.1), or ``best`` (the least of the three), as
     :func:`dosa_jax.bounds.positive.residual_allowance_upper` takes them; 0 when P is empty.
     """
     if mode not in RESIDUALS:
         raise ValueError(f"positive_residual must be one of {RESIDUALS}, got {mode!r}")
-    g = residual_grams(grams, w, omitted_pos, anchor, beta)
-    diag = jnp.diagonal(g[0])
-    tri = jnp.sum(jnp.sqrt(jnp.maximum(diag, 0.0)))
+    gg = residual_group_grams(q, w, omitted_pos, anchor, beta, groups)
+    full = jnp.sum(gg, axis=0)
+    tri = jnp.sum(jnp.sqrt(jnp.maximum(jnp.diagonal(full), 0.0)))
     est = tri
     if mode in ("joint", "best"):
-        est = jnp.minimum(est, _joint(g[0]))
+        est = jnp.minimum(est, _joint(full))
     if mode in ("grouped", "best"):
-        b = _joint(g[1:])
+        b = _joint(gg)
         est = jnp.minimum(est, jnp.sqrt(jnp.sum(b * b)))
     return jnp.where(jnp.any(omitted_pos), est, 0.0)
