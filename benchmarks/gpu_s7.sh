@@ -57,11 +57,13 @@ else
       tests/test_pallas_kernels.py tests/test_screen_classes.py -p no:cacheprovider \
       > $OUT/tests.txt 2>&1
     echo "pytest -m gpu exit $?" | tee -a $OUT/log.txt; tail -3 $OUT/tests.txt
-    # compiled for the GPU and under jax.jit: the budget classes, the record buffers and the
-    # rounding round trips XLA's GPU compiler may drop (session 8)
+    # compiled for the GPU and under jax.jit: the budget classes, the record buffers, the
+    # rounding round trips XLA's GPU compiler may drop (session 8), the automatic budget and its
+    # allowance estimates (session 13); CLASS_TESTS_MORE: more pytest arguments
     timeout ${CLASS_TEST_TIMEOUT:-90} python -m pytest -o addopts="" -q \
-      tests/test_screen_classes.py tests/test_records.py \
-      tests/test_enclosure.py::test_rounding_round_trips_survive_jit -p no:cacheprovider \
+      tests/test_screen_classes.py tests/test_records.py tests/test_budget.py \
+      tests/test_allowance_estimate.py tests/test_enclosure.py::test_rounding_round_trips_survive_jit \
+      ${CLASS_TESTS_MORE:-} -p no:cacheprovider \
       > $OUT/tests_classes.txt 2>&1
     echo "pytest classes exit $?" | tee -a $OUT/log.txt; tail -3 $OUT/tests_classes.txt
   fi
