@@ -468,6 +468,21 @@ def screen_masks(sops: ScreenOperands, lo, hi, k_pieces, knorm, scale, *, splits
                         defer=defer, pack=bool(pack))
 
 
+def _load_chunks(mk_ref, r, p, *, N: int, CH: int, CPP: int):
+    """Inside a kernel: chunks p·CPP … p·CPP + CPP − 1 of mask row r as (key ids [CH], bytes
+    [CH] int32). Each chunk is loaded whole (a load mask constant over 16 bytes: vectorised
+    loads); the bytes outside a group's range, which its program did not write, are dropped by
+    the callers after the load."""
+    lanes = jnp.arange(CH, dtype=jnp.int32)
+    chunks = []
+    for c in range(CPP):
+        ids = (p * CPP + c) * CH + lanes
+        b = rec._plgpu().load(mk_ref.at[pl.ds(r * N + (p * CPP + c) * CH, CH)],
+                              mask=ids < N, other=0)
+        chunks.append((ids, b.astype(jnp.int32)))
+    return chunks
+
+
 def _compact_kernel(mk_ref, lo_ref, hi_ref, base_ref, off_ref, sv_ref, *, N: int, Cs: int,
                     CH: int, CPP: int, nchp: int, R: int):
     """Program (r, p): chunks p·CPP … p·CPP + CPP − 1 of mask row r, written for each of the
@@ -478,16 +493,8 @@ def _compact_kernel(mk_ref, lo_ref, hi_ref, base_ref, off_ref, sv_ref, *, N: int
     r = pl.program_id(0)
     p = pl.program_id(1)
     size = sv_ref.shape[0]
-    lanes = jnp.arange(CH, dtype=jnp.int32)
     sel = jnp.arange(CPP, dtype=jnp.int32)
-    chunks = []
-    for c in range(CPP):
-        ids = (p * CPP + c) * CH + lanes
-        # the whole chunk (a mask constant over 16 bytes: vectorised loads); the bytes outside
-        # a group's range, which its program did not write, are dropped after the load
-        b = rec._plgpu().load(mk_ref.at[pl.ds(r * N + (p * CPP + c) * CH, CH)],
-                              mask=ids < N, other=0)
-        chunks.append((ids, b.astype(jnp.int32)))
+    chunks = _load_chunks(mk_ref, r, p, N=N, CH=CH, CPP=CPP)
     for h in range(R):
         g = r * R + h
         klo, khi = group_range(lo_ref[pl.ds(g * GROUP, GROUP)], hi_ref[pl.ds(g * GROUP, GROUP)])
@@ -544,14 +551,8 @@ def _count_kernel(mk_ref, lo_ref, hi_ref, cnt_ref, *, N: int, CH: int, CPP: int,
     the row's R groups (the loads of :func:`_compact_kernel`), one CPP-vector store per group."""
     r = pl.program_id(0)
     p = pl.program_id(1)
-    lanes = jnp.arange(CH, dtype=jnp.int32)
     sel = jnp.arange(CPP, dtype=jnp.int32)
-    chunks = []
-    for c in range(CPP):
-        ids = (p * CPP + c) * CH + lanes
-        b = rec._plgpu().load(mk_ref.at[pl.ds(r * N + (p * CPP + c) * CH, CH)],
-                              mask=ids < N, other=0)
-        chunks.append((ids, b.astype(jnp.int32)))
+    chunks = _load_chunks(mk_ref, r, p, N=N, CH=CH, CPP=CPP)
     for h in range(R):
         g = r * R + h
         klo, khi = group_range(lo_ref[pl.ds(g * GROUP, GROUP)], hi_ref[pl.ds(g * GROUP, GROUP)])

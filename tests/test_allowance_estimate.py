@@ -3,6 +3,8 @@ explicit residual formulas of bounds.positive, and never above the certified bou
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,13 +16,14 @@ from dosa_jax.bounds import heads, positive
 from dosa_jax.bounds.positive import RESIDUALS
 
 
+@functools.partial(jax.jit, static_argnames=("mode", "groups", "use_projection"))
 def _explicit(q, w, retained, mode, groups, use_projection=True):
-    """(estimate, explicit real value, certified upper bound) for one query's retained mask."""
+    """(estimate, explicit real value, certified upper bound, anchors, anchors from the shared
+    Gram) for one query's retained mask (jitted: one compilation per configuration, also on
+    a GPU, where op-by-op dispatch made this file take minutes)."""
     op, _ = heads.omitted_heads(w, retained)
     a, b, d = positive.anchor_projection(q, retained, op, use_projection)
-    gram = ae.head_gram(q)
-    a2, b2, _ = positive.anchor_projection(q, retained, op, use_projection, gram=gram)
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(a2))   # the shared Gram: same anchors
+    a2, _, _ = positive.anchor_projection(q, retained, op, use_projection, gram=ae.head_gram(q))
     est = ae.allowance_estimate(q, w, op, a, b, mode, groups)
     u = w[:, None] * d
     tri = positive.triangle_allowance(w, d, op)
@@ -30,6 +33,12 @@ def _explicit(q, w, retained, mode, groups, use_projection=True):
     up = positive.residual_allowance_upper(w, d, op, positive.residual_error(q, b, a, op), mode,
                                            groups)
     real = jnp.where(jnp.any(op), ref[mode], 0.0)
+    return est, real, up, a, a2
+
+
+def _check(q, w, retained, mode, groups, use_projection=True):
+    est, real, up, a, a2 = _explicit(q, w, retained, mode, groups, use_projection)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(a2))   # the shared Gram: same anchors
     return float(est), float(real), float(up)
 
 
@@ -56,7 +65,7 @@ def test_estimate_is_the_real_allowance_and_below_the_certified_bound(mode, grou
     for t in range(q.shape[0]):
         for frac in (0.1, 0.4, 0.8):
             retained = jnp.asarray(rng.random(q.shape[1]) < frac)
-            est, real, up = _explicit(q[t], w[t], retained, mode, groups, use_projection)
+            est, real, up = _check(q[t], w[t], retained, mode, groups, use_projection)
             assert est == pytest.approx(real, rel=2e-5, abs=1e-30), (t, frac)
             assert est <= up, (t, frac, est, up)
             n += real > 0
@@ -76,7 +85,7 @@ def test_estimate_under_vmap_matches_one_query_at_a_time():
     got = np.asarray(jax.jit(jax.vmap(jax.vmap(one, (None, None, 0))))(q, w, masks))
     for t in range(q.shape[0]):
         for c in range(3):
-            est, real, _ = _explicit(q[t], w[t], masks[t, c], "best", 4)
+            est, real, _ = _check(q[t], w[t], masks[t, c], "best", 4)
             assert got[t, c] == pytest.approx(real, rel=2e-5, abs=1e-30)
 
 
