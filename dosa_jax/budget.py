@@ -56,10 +56,5 @@ def estimated_cost(head_dots, key_norm, valid, tau, details, r: int, d_a: int, H
     products: 1 counts dot products (Eq. 21); a backend whose rescoring costs more per
     dot product than its screen (gathers, a group's union of survivors) measures its own.
     """
-    return budget_cost(estimated_survival(head_dots, key_norm, valid, tau, details), r, d_a, H,
-                       survivor_weight)
-
-
-def budget_cost(m, r, d_a: int, H: int, survivor_weight: float = 1.0):
-    """(r + d_a)/H + κ·m: :func:`estimated_cost` from a survival estimate m."""
-    return (r + d_a) / H + survivor_weight * m
+    return (r + d_a) / H + survivor_weight * estimated_survival(head_dots, key_norm, valid, tau,
+                                                                details)

@@ -134,7 +134,7 @@ def retained_mask(q, w, p, r, config):
 
 def build_plan(q, w, p, config, *, sample_dots=None, sample_norms=None, sample_valid=None,
                tau=None, fp8_aggregate: bool = False, row_dtype=None, program_queries: int = 1,
-               survivor_weight: float = 1.0, return_survival: bool = False):
+               survivor_weight: float = 1.0):
     """Plans for a batch of queries ([T, H, D] etc.), choosing the budget per query.
 
     With a single budget (``Config.retained_heads`` an int) the sample arguments
@@ -152,10 +152,7 @@ def build_plan(q, w, p, config, *, sample_dots=None, sample_norms=None, sample_v
     every query of the block then retains that many heads.
 
     Returns:
-      (ScreeningPlan [T, ...], PlanDetails [T, ...], chosen budget [T] int32), and with
-      ``return_survival`` the sample's survival estimate m̂ [T] of each query at its chosen
-      budget (from the candidates' pricing: real-number allowances) or None with a single
-      budget (no pricing).
+      (ScreeningPlan [T, ...], PlanDetails [T, ...], chosen budget [T] int32).
     """
     from dosa_jax import budget as budget_mod  # local: budget imports this module
 
@@ -171,18 +168,17 @@ def build_plan(q, w, p, config, *, sample_dots=None, sample_norms=None, sample_v
 
     if len(budgets) == 1:
         plan, det = jax.vmap(lambda qt, wt, pt: for_r(qt, wt, pt, budgets[0]))(q, w, p)
-        out = plan, det, jnp.full((q.shape[0],), budgets[0], jnp.int32)
-        return out + (None,) if return_survival else out
+        return plan, det, jnp.full((q.shape[0],), budgets[0], jnp.int32)
     rs = jnp.asarray(budgets, jnp.int32)
 
-    def survival(qt, wt, pt, x, kn, ok, tt):   # m̂ [len(budgets)] for one query
+    def costs(qt, wt, pt, x, kn, ok, tt):   # [len(budgets)] for one query
         gram = allowance_estimate.head_gram(qt)               # once per query, every budget
         dets = jax.vmap(lambda r: estimated_details(
             qt, wt, pt, retained_mask(qt, wt, pt, r, config), config, gram))(rs)
-        return jax.vmap(lambda det: budget_mod.estimated_survival(x, kn, ok, tt, det))(dets)
+        return jax.vmap(lambda det, r: budget_mod.estimated_cost(
+            x, kn, ok, tt, det, r, d_a, H, survivor_weight))(dets, rs)
 
-    m = jax.vmap(survival)(q, w, p, sample_dots, sample_norms, sample_valid, tau)   # [T, nb]
-    c = budget_mod.budget_cost(m, rs[None, :], d_a, H, survivor_weight)              # [T, nb]
+    c = jax.vmap(costs)(q, w, p, sample_dots, sample_norms, sample_valid, tau)   # [T, nb]
     if program_queries > 1:
         T = q.shape[0]
         B = int(program_queries)
@@ -197,6 +193,4 @@ def build_plan(q, w, p, config, *, sample_dots=None, sample_norms=None, sample_v
     # the plans of the chosen budgets only (one more plan per query instead of holding
     # [T, budgets, R, D] rows to pick from)
     plan, det = jax.vmap(for_r)(q, w, p, budget)
-    if return_survival:
-        return plan, det, budget, jnp.take_along_axis(m, best[:, None], axis=1)[:, 0]
     return plan, det, budget

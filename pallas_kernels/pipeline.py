@@ -465,10 +465,9 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     B = (max(_class_program_queries(config.budgets(H), A, T, tiles).values())
          if tiles.shared_budget else 1)
     kappa = SURVIVOR_COST if config.survivor_cost is None else config.survivor_cost
-    plan, details, budget, est = build_plan(q.astype(jnp.float32), w, p, config,
-                                            sample_dots=sdots, sample_norms=snorm,
-                                            sample_valid=svalid, tau=tau, program_queries=B,
-                                            survivor_weight=kappa, return_survival=True)
+    plan, details, budget = build_plan(q.astype(jnp.float32), w, p, config, sample_dots=sdots,
+                                       sample_norms=snorm, sample_valid=svalid, tau=tau,
+                                       program_queries=B, survivor_weight=kappa)
     # the negative aggregate as ReLU columns with weights ±1 (split into bf16 hi + lo with
     # bf16/FP8 queries), summed by the screen like the retained heads
     agg_cols, agg_w, agg_err = aggregate_columns(plan.aggregate, plan.aggregate_linear,
@@ -487,8 +486,7 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     theta_tau = jnp.where(prune, tau_key, THETA_NONE)
     # queries that cannot prune, or whose sample says most keys survive, go straight to
     # the dense scan (from θ₀ = τ) with their group of 4: exact either way, only faster
-    if est is None:   # a single budget: no candidates were priced on the sample
-        est = jax.vmap(estimated_survival)(sdots, snorm, svalid, tau, details)
+    est = jax.vmap(estimated_survival)(sdots, snorm, svalid, tau, details)
     nonempty = hi > lo
     direct_q = nonempty & (~prune | (est > DIRECT_SURVIVAL))
     direct_g = jnp.any(jnp.pad(direct_q, (0, Tpad4 - T)).reshape(G4, 4), axis=1)

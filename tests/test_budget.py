@@ -93,22 +93,3 @@ def test_survivor_weight_moves_the_budget_up():
     lo = np.asarray(build_plan(q, w, p, cfg, survivor_weight=0.25, **args)[2])
     hi = np.asarray(build_plan(q, w, p, cfg, survivor_weight=8.0, **args)[2])
     assert np.all(hi >= lo) and np.any(hi > lo)
-
-
-def test_returned_survival_is_the_chosen_budgets_estimate():
-    """``return_survival``: m̂ of each query at its chosen budget, the one its cost was priced
-    with (real-number allowances); the certified plan's allowance never estimates fewer
-    survivors; a single budget prices nothing (None)."""
-    q, w, p, x, kn, valid, tau = _sample()
-    cfg = Config(top_k=8, retained_heads="auto", budget_candidates=(1, 3, 5))
-    _, det, budget, m = build_plan(q, w, p, cfg, sample_dots=x, sample_norms=kn,
-                                   sample_valid=valid, tau=tau, return_survival=True)
-    c = _costs(q, w, p, x, kn, valid, tau, cfg, 1.0)
-    rs = np.asarray(cfg.budgets(8))
-    col = np.searchsorted(rs, np.asarray(budget))
-    want = c[np.arange(q.shape[0]), col] - (rs[col] + 1) / 8
-    np.testing.assert_allclose(np.asarray(m), want, atol=1e-6)
-    assert 0 < float(jnp.max(m)) <= 1 and float(m[5]) == 0.0     # query 5: no sample keys
-    cert = jax.vmap(budget_mod.estimated_survival)(x, kn, valid, tau, det)
-    assert np.all(np.asarray(cert) >= np.asarray(m) - 1e-6)    # same counts, division rounding
-    assert build_plan(q, w, p, cfg.replace(retained_heads=3), return_survival=True)[3] is None
