@@ -60,7 +60,7 @@ else
     # compiled for the GPU and under jax.jit: the budget classes, the record buffers, the
     # rounding round trips XLA's GPU compiler may drop (session 8), the automatic budget and its
     # allowance estimates (session 13); CLASS_TESTS_MORE: more pytest arguments
-    timeout ${CLASS_TEST_TIMEOUT:-90} python -m pytest -o addopts="" -q \
+    timeout ${CLASS_TEST_TIMEOUT:-180} python -m pytest -o addopts="" -q \
       tests/test_screen_classes.py tests/test_records.py tests/test_budget.py \
       tests/test_allowance_estimate.py tests/test_enclosure.py::test_rounding_round_trips_survive_jit \
       ${CLASS_TESTS_MORE:-} -p no:cacheprovider \
