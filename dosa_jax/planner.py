@@ -6,7 +6,9 @@ heads R for a budget r (SPEC §4), positive projection and folded weights
 its support (Eq. 8), the certificate form (Eq. 9 or 24–25) and the numerical
 enclosure coefficients (App. C). With ``retained_heads="auto"`` the budget is
 chosen per query by the dot-product cost model (Eq. 18–21) evaluated on the
-seed sample (:mod:`dosa_jax.budget`).
+seed sample (:mod:`dosa_jax.budget`), each candidate priced with its real-number
+residual allowance (:mod:`dosa_jax.bounds.allowance_estimate`); only the chosen
+budget's plan is built, with the certified allowance.
 """
 
 from __future__ import annotations
