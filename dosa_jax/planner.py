@@ -52,16 +52,13 @@ def plan_for_mask(q, w, p, retained, config, R: int, *, fp8_aggregate: bool = Fa
       (ScreeningPlan fields for one query, PlanDetails).
     """
     H, D = q.shape
-    omitted_pos, omitted_neg = heads.omitted_heads(w, retained)
-    anchor, beta, resid = positive.anchor_projection(q, retained, omitted_pos,
-                                                     config.positive_projection)
-    w_fold, fold_abs = positive.folded_weights(w, retained, omitted_pos, anchor, beta)
+    roles = _head_roles(q, w, p, retained, config)
+    omitted_pos, anchor, beta = roles.omitted_pos, roles.anchor, roles.beta
+    w_fold, fold_abs, support = roles.w_fold, roles.fold_abs, roles.support
     resid_err = positive.residual_error(q, beta, anchor, omitted_pos)
-    groups = residual_groups(config, D)
-    E = positive.residual_allowance_upper(w, resid, omitted_pos, resid_err,
-                                          config.positive_residual, groups)
+    E = positive.residual_allowance_upper(w, roles.residual, omitted_pos, resid_err,
+                                          config.positive_residual, residual_groups(config, D))
     E = jnp.where(jnp.any(omitted_pos), E, 0.0)
-    support = negative.negative_support(p, omitted_neg, config.negative_support)
     a, a_err = negative.negative_aggregate(q, w, support)
     if fp8_aggregate:
         agg_rows, _, _, split_err = negative.split_aggregate_fp8(a)
@@ -95,11 +92,41 @@ def plan_for_mask(q, w, p, retained, config, R: int, *, fp8_aggregate: bool = Fa
     plan = ScreeningPlan(rows=rows, row_weights=row_w, aggregate=agg_rows,
                          aggregate_linear=linear, residual=E, error=C, eps_raw=eps,
                          prune=finite, retained=jnp.sum(retained).astype(jnp.int32))
-    details = PlanDetails(retained=retained, omitted_pos=omitted_pos, omitted_neg=omitted_neg,
-                          support=support, anchor=anchor, beta=beta, w_fold=w_fold,
-                          support_weight=jnp.where(support, jnp.abs(w), 0.0),
-                          residual=E, activation=p)
-    return plan, details
+    return plan, _details(roles, retained, w, p, E)
+
+
+class _HeadRoles(NamedTuple):
+    """One query's heads under a retained mask: omitted positive P and negative N heads,
+    anchors j*_h, β_h and residuals d_h (Eq. 4–5), folded weights w̃ with their magnitudes
+    (Eq. 6) and the negative support A (Eq. 8)."""
+
+    omitted_pos: jax.Array
+    omitted_neg: jax.Array
+    anchor: jax.Array
+    beta: jax.Array
+    residual: jax.Array
+    w_fold: jax.Array
+    fold_abs: jax.Array
+    support: jax.Array
+
+
+def _head_roles(q, w, p, retained, config, gram=None) -> _HeadRoles:
+    """:class:`_HeadRoles` of a retained mask (``gram``: q qᵀ when the caller has it)."""
+    omitted_pos, omitted_neg = heads.omitted_heads(w, retained)
+    anchor, beta, resid = positive.anchor_projection(q, retained, omitted_pos,
+                                                     config.positive_projection, gram=gram)
+    w_fold, fold_abs = positive.folded_weights(w, retained, omitted_pos, anchor, beta)
+    support = negative.negative_support(p, omitted_neg, config.negative_support)
+    return _HeadRoles(omitted_pos, omitted_neg, anchor, beta, resid, w_fold, fold_abs, support)
+
+
+def _details(roles: _HeadRoles, retained, w, p, E) -> PlanDetails:
+    """:class:`PlanDetails` of a retained mask's head roles with the residual allowance E."""
+    return PlanDetails(retained=retained, omitted_pos=roles.omitted_pos,
+                       omitted_neg=roles.omitted_neg, support=roles.support, anchor=roles.anchor,
+                       beta=roles.beta, w_fold=roles.w_fold,
+                       support_weight=jnp.where(roles.support, jnp.abs(w), 0.0), residual=E,
+                       activation=p)
 
 
 def residual_groups(config, D: int) -> int:
@@ -114,18 +141,11 @@ def estimated_details(q, w, p, retained, config, gram):
     not the certified bound: what the automatic budget needs to price a candidate (Eq. 9 on
     the sample). ``gram``: the query's ``head_gram``. Never a plan.
     """
-    omitted_pos, omitted_neg = heads.omitted_heads(w, retained)
-    anchor, beta, _ = positive.anchor_projection(q, retained, omitted_pos,
-                                                 config.positive_projection, gram=gram)
-    w_fold, _ = positive.folded_weights(w, retained, omitted_pos, anchor, beta)
-    E = allowance_estimate.allowance_estimate(q, w, omitted_pos, anchor, beta,
+    roles = _head_roles(q, w, p, retained, config, gram=gram)
+    E = allowance_estimate.allowance_estimate(q, w, roles.omitted_pos, roles.anchor, roles.beta,
                                               config.positive_residual,
                                               residual_groups(config, q.shape[1]))
-    support = negative.negative_support(p, omitted_neg, config.negative_support)
-    return PlanDetails(retained=retained, omitted_pos=omitted_pos, omitted_neg=omitted_neg,
-                       support=support, anchor=anchor, beta=beta, w_fold=w_fold,
-                       support_weight=jnp.where(support, jnp.abs(w), 0.0), residual=E,
-                       activation=p)
+    return _details(roles, retained, w, p, E)
 
 
 def retained_mask(q, w, p, r, config):

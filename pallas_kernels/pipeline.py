@@ -163,7 +163,8 @@ def _score_key(theta):
     return jnp.where(theta > THETA_NONE, key_to_score(theta), -jnp.inf)
 
 
-#: Queries per chunk of the planner's sample dots (one XLA dot per chunk, in a ``lax.map``).
+#: Queries per chunk of the planner's sample dots (one XLA dot per chunk; a ``lax.map`` over
+#: chunks when there are several).
 PLAN_SAMPLE_CHUNK = 2048
 _BF16_EXACT = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn))
 
@@ -177,7 +178,8 @@ def _plan_sample(q, k, k_scale, knorm, lo, hi, config, mma: bool = True):
     ``mma`` (``Tiles.plan_sample_mma``) with bf16/FP8 queries and keys: one bf16 dot with
     float32 accumulation per chunk (exact products) instead of float32 HIGHEST dots of
     256-query chunks (session 12 on the H200: 64 dots and gathers, about 3.8 ms per call at
-    T = 16K). The ids are in range (clipped), so the gathers need no bounds select. The dots only steer the plan (which heads, which budget); no bound uses them.
+    T = 16K). The ids are in range (clipped), so the gathers need no bounds select. The dots
+    only steer the plan (which heads, which budget); no bound uses them.
     Returns (payload dots [T, P, H] for p_h, dots and norms in score units (× α_i),
     validity [T, P]).
     """

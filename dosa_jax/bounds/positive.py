@@ -38,7 +38,7 @@ def anchor_projection(q, retained, omitted_pos, use_projection: bool = True, gra
     Args:
       q: [H, D] float32 head vectors; retained: [H] bool; omitted_pos: [H] bool (P).
       use_projection: False gives β = 0, d_h = q_h (the "no positive projection" ablation).
-      gram: q qᵀ [H, H] when the caller has it (``allowance_estimate.head_grams``), else
+      gram: q qᵀ [H, H] when the caller has it (``allowance_estimate.head_gram``), else
         computed here (float32, HIGHEST precision).
     Returns:
       anchor [H] int32 (−1 where h ∉ P or no anchor), beta [H] float32 (0 off P),
