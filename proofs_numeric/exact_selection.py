@@ -1,4 +1,4 @@
-"""Theorem 1: DoSA returns exactly the dense Top-K (SPEC §10, §12).
+"""Theorem 1: DoSA returns exactly the dense Top-K (DESIGN §10, §12).
 
 For every Config variant (retained budget fixed/automatic, residual
 triangle/joint/grouped/best, negative support majority/all/none, ranking,
