@@ -149,10 +149,9 @@ def load_data(args, log):
     from dosa_jax import datasets
 
     if args.data == "trained":
-        from_fixture = args.N == 4096 and args.T <= 64
-        log.info("loading trained-indexer data (%s, layer %d, H=%d, N=%d, T=%d)%s", args.domain,
-                 args.layer, args.H, args.N, args.T,
-                 "" if from_fixture else ": generating from the committed weights")
+        log.info("loading trained-indexer data (%s, layer %d, H=%d, N=%d, T=%d): the fixture "
+                 "when it holds the case, else generated from the committed weights",
+                 args.domain, args.layer, args.H, args.N, args.T)
         length = None if args.N == 4096 else args.N
         return datasets.trained(args.domain, args.layer, length=length,
                                          num_queries=args.T, heads=args.H,
@@ -235,8 +234,9 @@ def main(argv=None) -> int:
     N = inp.k.shape[0]
     cfg = dosa_jax.Config(top_k=args.K, retained_heads=args.retained,
                           seed_strategy=args.seed_strategy, backend=args.backend)
-    log.info("data: %s  T=%d N=%d H=%d D=%d K=%d keys=%s%s", inp.meta.get("kind", args.data),
-             T, N, H, D, args.K, inp.k.dtype, " +scale" if inp.k_scale is not None else "")
+    log.info("data: %s (%s)  T=%d N=%d H=%d D=%d K=%d keys=%s%s", inp.meta.get("kind", args.data),
+             inp.meta.get("source", "generated"), T, N, H, D, args.K, inp.k.dtype,
+             " +scale" if inp.k_scale is not None else "")
     kw = inp.as_kwargs()
     dosa = jax.jit(dosa_jax.topk)
     dense = jax.jit(dosa_jax.dense_topk)

@@ -144,7 +144,8 @@ class RunTest(absltest.TestCase):
         for stage in ("loading trained-indexer data", "DoSA: compiling", "DoSA: median",
                       "dense: first call"):
             self.assertIn(stage, proc.stderr)
-        self.assertIn("T=8 N=4096 H=32 D=128 K=128 keys=float8_e4m3fn +scale", proc.stderr)
+        self.assertIn("data: trained (fixture)  T=8 N=4096 H=32 D=128 K=128 keys=float8_e4m3fn "
+                      "+scale", proc.stderr)
 
 
 if __name__ == "__main__":
