@@ -144,3 +144,23 @@ def test_synthetic_is_reexported():
     assert isinstance(a, IndexerInputs) and a.k_scale is not None
     np.testing.assert_array_equal(np.asarray(a.w), np.asarray(b.w))
     assert datasets.structured(T=2, N=32, H=4, D=8).q.shape == (2, 4, 8)
+
+
+def test_trained_through_the_package_attribute():
+    """``import dosa_jax; dosa_jax.datasets.trained(...)`` in a fresh interpreter (the
+    package exposes its submodules as attributes, imported on first use)."""
+    import pathlib
+    import subprocess
+    import sys
+
+    import dosa_jax
+    if "__getattr__" not in vars(dosa_jax):
+        pytest.skip("this build of dosa_jax has no lazy submodule attributes")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    code = ("import dosa_jax; inp = dosa_jax.datasets.trained('prose', 0, num_queries=4); "
+            "print(inp.q.shape, inp.k.shape, inp.meta['source'])")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(root))
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["(4,", "32,", "128)", "(4096,", "128)", "fixture"], out.stdout

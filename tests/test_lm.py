@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dosa_jax.lm import checkpoint, corpora, dump, tokenizer
+from dosa_jax.lm import checkpoint, corpora, dump, sparse_attention, tokenizer
 from dosa_jax.lm import indexer as idx
 from dosa_jax.lm import train as T
-from dosa_jax.lm.model import (forward, hidden_states_segmented, init_lm, rms_norm,
-                               rope_angles, window_attention)
+from dosa_jax.lm.model import (embed_sequence, forward, hidden_states_segmented, init_lm,
+                               rms_norm, rope_angles, window_attention)
 from dosa_jax.scorer import score_gathered
 
 TINY = T.PRESETS["tiny"]
@@ -227,3 +227,56 @@ def test_committed_weights_describe_the_trained_model():
         assert layers[0]["wq_b"].shape == (cfg.q_rank, h * 128)
     assert meta["lm_training"]["steps"] > 1000 and meta["indexer_training"]["steps"] > 100
     assert os.path.getsize(dump.WEIGHTS_PATH) < 10e6
+
+
+def test_sparse_attention_reading_every_window_key_is_the_windowed_model():
+    # K = window: each query's indexer selection is its whole attention window, so the
+    # sparse forward computes the windowed model's logits (float32 TINY model, L = 2 windows)
+    cfg, icfg = TINY.lm, TINY.indexers[0]
+    lm = init_lm(jax.random.PRNGKey(7), cfg)
+    layers = idx.init_indexers(jax.random.PRNGKey(8), cfg, icfg)
+    toks = corpora.heldout_stream("prose")[:128].astype(np.int32)
+    out = sparse_attention.forward_sparse(lm, layers, toks, cfg, icfg, top_k=cfg.window,
+                                          selection="dense")
+    ref = forward(lm, jnp.asarray(toks)[None], cfg)[0]
+    np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref), rtol=1e-4, atol=1e-4)
+    lo, hi = sparse_attention.visible_ranges(128, cfg.window)
+    for sel in out.selections:
+        got = np.sort(np.where(np.asarray(sel.indices) < 0, 10 ** 6, np.asarray(sel.indices)), -1)
+        for t in (0, 63, 64, 127):  # the selection is exactly the visible window [lo, hi)
+            n = int(hi[t] - lo[t])
+            np.testing.assert_array_equal(got[t, :n], np.arange(int(lo[t]), int(hi[t])))
+            assert (got[t, n:] == 10 ** 6).all()
+    # with K below the window the model reads fewer keys and its logits change
+    fewer = sparse_attention.forward_sparse(lm, layers, toks, cfg, icfg, top_k=8, selection="dense")
+    assert not np.allclose(np.asarray(fewer.logits), np.asarray(ref), atol=1e-3)
+
+
+def test_committed_lm_with_dosa_selected_keys_equals_dense_selection():
+    """The committed LM with DSA attention: keys chosen by jax.jit(dosa_jax.topk) on each
+    layer's indexer (q, k, w) are bitwise those of dosa_jax.dense_topk, so are the logits."""
+    lm_cfg, lm, ix, _, _ = dump.load_default_weights()
+    icfg, layers = ix[32]
+    toks = corpora.heldout_stream("code")[:257].astype(np.int32)
+    runs = {s: sparse_attention.forward_sparse(lm, layers, toks[:256], lm_cfg, icfg, top_k=32,
+                                               selection=s) for s in ("dosa", "dense")}
+    dosa, dense = runs["dosa"], runs["dense"]
+    for a, b in zip(dosa.selections, dense.selections):
+        np.testing.assert_array_equal(np.asarray(a.indices), np.asarray(b.indices))
+        np.testing.assert_array_equal(np.asarray(a.scores), np.asarray(b.scores))
+    np.testing.assert_array_equal(np.asarray(dosa.logits), np.asarray(dense.logits))
+    # the selection is the Top-K of the indexer's own logits (Eq. 1), and DoSA pruned keys
+    x = rms_norm(embed_sequence(lm, toks[:256]), lm["layers"][0]["attn_norm"])[None]
+    pos = jnp.arange(256)
+    q, w = idx.queries(layers[0], x, pos, icfg, dt=jnp.float32)
+    lg = np.asarray(idx.logits(q, w, idx.keys(layers[0], x, pos, icfg, dt=jnp.float32),
+                               dt=jnp.float32)[0])
+    sel, t = np.asarray(dosa.selections[0].indices), 200
+    kth = np.sort(lg[t, :t + 1])[-32]
+    assert (lg[t, sel[t]] >= kth - 1e-4 * np.abs(lg[t]).max()).all()
+    st = dosa.selections[-1].stats
+    assert int(np.sum(st.survivors)) < int(np.sum(st.screened))
+    loss = sparse_attention.next_token_loss_sparse(lm, layers, toks, lm_cfg, icfg, top_k=32)
+    assert 0.3 < loss < math.log(256), loss
+    with pytest.raises(ValueError, match="selection"):
+        sparse_attention.forward_sparse(lm, layers, toks, lm_cfg, icfg, top_k=32, selection="lax")

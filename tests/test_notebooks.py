@@ -6,9 +6,15 @@ timeout; no cell may raise, and the cells that carry the notebook's claims
 must print them (e.g. the exactness check prints ``exact: True``). The
 committed copy must be stored executed (outputs and figures embedded).
 
-Re-execute a notebook in place (after editing it)::
+Checking never rewrites the committed file: the test writes the executed copy to a
+temporary directory, as does the documented command (``notebooks/README.md``)::
 
-    python tests/test_notebooks.py notebooks/01_certificate_walkthrough.ipynb
+    jupyter execute notebooks/01_certificate_walkthrough.ipynb \
+        --output=/tmp/dosa_notebooks/01_certificate_walkthrough.ipynb
+
+After editing a notebook, store it executed (the one command that writes in place)::
+
+    python tests/test_notebooks.py --inplace notebooks/01_certificate_walkthrough.ipynb
 """
 
 from __future__ import annotations
@@ -112,31 +118,39 @@ def test_committed_notebook_is_executed():
 
 
 @pytest.mark.slow
-def test_walkthrough_executes_headless():
+def test_walkthrough_executes_headless(tmp_path):
     """Execute the walkthrough on CPU (at TEST_ENV's size unless the environment says
-    otherwise): no cell errors, the claims are printed."""
+    otherwise): no cell errors, the claims are printed; the committed file is untouched
+    (the executed copy goes to a temporary directory)."""
+    nbformat = pytest.importorskip("nbformat", reason="the `notebooks` extra is not installed")
     pytest.importorskip("nbclient", reason="the `notebooks` extra (nbclient) is not installed")
     pytest.importorskip("ipykernel", reason="the `notebooks` extra (ipykernel) is not installed")
     pytest.importorskip("matplotlib", reason="the `notebooks` extra (matplotlib) is not installed")
+    committed = WALKTHROUGH.read_bytes()
     t = time.perf_counter()
     nb = execute(WALKTHROUGH, defaults=TEST_ENV)
+    nbformat.write(nb, str(tmp_path / WALKTHROUGH.name))
     check_outputs(nb, WALKTHROUGH.name)
-    print(f"{WALKTHROUGH.name} executed in {time.perf_counter() - t:.0f}s")
+    assert WALKTHROUGH.read_bytes() == committed, "executing the notebook rewrote the committed file"
+    print(f"{WALKTHROUGH.name} executed in {time.perf_counter() - t:.0f}s "
+          f"(copy in {tmp_path / WALKTHROUGH.name})")
 
 
-if __name__ == "__main__":  # re-execute notebooks in place: python tests/test_notebooks.py NB...
+if __name__ == "__main__":  # python tests/test_notebooks.py [--inplace] NB...
     import nbformat
 
-    for arg in sys.argv[1:] or [str(WALKTHROUGH)]:
+    args = sys.argv[1:]
+    inplace = "--inplace" in args
+    paths = [a for a in args if a != "--inplace"] or [str(WALKTHROUGH)]
+    out_dir = pathlib.Path(tempfile.mkdtemp(prefix="dosa_notebooks_"))
+    for arg in paths:
         p = pathlib.Path(arg).resolve()
         t = time.perf_counter()
         nb = execute(p)
-        try:
-            check_outputs(nb, p.name)
-        except AssertionError:
-            failed = pathlib.Path(tempfile.gettempdir()) / p.name
-            nbformat.write(nb, str(failed))
-            print(f"checks failed; the executed notebook is in {failed}")
-            raise
-        nbformat.write(nb, str(p))
-        print(f"{p.name}: executed and written in {time.perf_counter() - t:.0f}s")
+        copy = out_dir / p.name
+        nbformat.write(nb, str(copy))
+        check_outputs(nb, p.name)  # raises (the executed copy is in out_dir) if a claim is missing
+        if inplace:
+            nbformat.write(nb, str(p))
+        print(f"{p.name}: executed and checked in {time.perf_counter() - t:.0f}s; "
+              f"{'written in place' if inplace else f'copy in {copy}'}")

@@ -96,7 +96,7 @@ def _indexer_rows(p, norm_scale, h, cfg, num_queries, rotate):
 
 
 def quantize_queries_fp8(q: np.ndarray, w: np.ndarray):
-    """Per-(query, head) power-of-two FP8 scale, folded into w (SPEC §2)."""
+    """Per-(query, head) power-of-two FP8 scale, folded into w (DESIGN §2)."""
     amax = np.max(np.abs(q), axis=-1)
     safe = np.where(amax > 0, amax, 1.0)
     scale = np.where(amax > 0, np.exp2(np.ceil(np.log2(safe / FP8_MAX))), 1.0).astype(np.float32)

@@ -6,7 +6,7 @@ For the layer input ``x_t`` (the normalised hidden state the attention reads):
     q_t,h = RoPE_t(c_t W_qb[h])                  H heads of dimension D
     k_t   = RoPE_t(LayerNorm(x_t W_k))           one key per token (MQA-style)
     w_t,h = (x_t W_w)[h] · H^-1/2 · D^-1/2       signed, per token, no constraint
-    s_ts  = Σ_h w_t,h · relu(q_t,h · k_s)        (SPEC §2, Eq. 1)
+    s_ts  = Σ_h w_t,h · relu(q_t,h · k_s)        (DESIGN §2, Eq. 1)
 
 RoPE rotates the first ``rope_dim`` of the D dimensions (DeepSeek-V3.2:
 64 of 128). The softmax scale D^-1/2 and the head scale H^-1/2 are folded into

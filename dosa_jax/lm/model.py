@@ -5,9 +5,10 @@ attention of every layer is causal and restricted to the last ``window``
 positions (the query itself included). Training crops are twice the window,
 so half of the training queries already see a full window without the
 sequence start: the model at position 1M computes exactly what it was trained
-to compute, and one H200 runs it over 1M tokens in seconds (cost
-O(N·window) instead of O(N²)). The DSA indexer (``indexer.py``) is the part
-that scores *all* previous tokens.
+to compute, and a long sequence costs O(N·window) instead of O(N²). The DSA
+indexer (``indexer.py``) is the part that scores *all* previous tokens;
+``sparse_attention.py`` runs the model with each layer's attention reading only
+the keys its indexer selects (DeepSeek Sparse Attention).
 
 Everything is plain ``jax.numpy``; parameters are nested dicts of float32
 arrays; matrix products run in ``compute_dtype`` (bfloat16 by default) with
@@ -193,12 +194,7 @@ def block_apply(lp: dict, h: Array, first_pos, cfg: LMConfig, *, h_ctx: Optional
     B, S, d = h.shape
     W, nh, dh, dt = cfg.window, cfg.n_heads, cfg.head_dim, cfg.dtype
     x = rms_norm(h, lp["attn_norm"])
-    pos = first_pos + jnp.arange(S)
-    qkv = jnp.einsum("bsd,de->bse", x.astype(dt), lp["wqkv"].astype(dt),
-                     preferred_element_type=jnp.float32).reshape(B, S, 3, nh, dh)
-    q = rope(qkv[:, :, 0], pos, cfg.rope_theta).astype(dt)
-    k = rope(qkv[:, :, 1], pos, cfg.rope_theta).astype(dt)
-    v = qkv[:, :, 2].astype(dt)
+    q, k, v = attention_qkv(lp, x, first_pos + jnp.arange(S), cfg)
     if h_ctx is None:
         k_ext = jnp.pad(k, ((0, 0), (W, 0), (0, 0), (0, 0)))
         v_ext = jnp.pad(v, ((0, 0), (W, 0), (0, 0), (0, 0)))
@@ -212,15 +208,34 @@ def block_apply(lp: dict, h: Array, first_pos, cfg: LMConfig, *, h_ctx: Optional
     res = window_attention(q, k_ext, v_ext, first_pos, window=W, block=cfg.block,
                            return_probs=return_probs)
     att, probs = res if return_probs else (res, None)
+    return block_output(lp, h, att, cfg), x, probs
+
+
+def attention_qkv(lp: dict, x: Array, positions: Array, cfg: LMConfig):
+    """RoPE'd queries and keys and the values [B, S, heads, head_dim] (compute dtype) of
+    the normalised layer input x [B, S, d] at ``positions`` [S]."""
+    B, S, _ = x.shape
+    dt = cfg.dtype
+    qkv = jnp.einsum("bsd,de->bse", x.astype(dt), lp["wqkv"].astype(dt),
+                     preferred_element_type=jnp.float32).reshape(B, S, 3, cfg.n_heads, cfg.head_dim)
+    q = rope(qkv[:, :, 0], positions, cfg.rope_theta).astype(dt)
+    k = rope(qkv[:, :, 1], positions, cfg.rope_theta).astype(dt)
+    return q, k, qkv[:, :, 2].astype(dt)
+
+
+def block_output(lp: dict, h: Array, att: Array, cfg: LMConfig) -> Array:
+    """The block's residual stream after its attention output att [B, S, heads, head_dim]:
+    output projection, then the GELU MLP, each added to the residual stream h [B, S, d]."""
+    B, S, d = h.shape
+    dt = cfg.dtype
     h = h + jnp.einsum("bse,ed->bsd", att.reshape(B, S, d).astype(dt), lp["wo"].astype(dt),
                        preferred_element_type=jnp.float32)
     y = rms_norm(h, lp["mlp_norm"])
     y = jnp.einsum("bsd,df->bsf", y.astype(dt), lp["w1"].astype(dt),
                    preferred_element_type=jnp.float32)
     y = jax.nn.gelu(y)
-    h = h + jnp.einsum("bsf,fd->bsd", y.astype(dt), lp["w2"].astype(dt),
-                       preferred_element_type=jnp.float32)
-    return h, x, probs
+    return h + jnp.einsum("bsf,fd->bsd", y.astype(dt), lp["w2"].astype(dt),
+                          preferred_element_type=jnp.float32)
 
 
 def embed(params: dict, tokens: Array) -> Array:

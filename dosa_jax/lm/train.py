@@ -83,8 +83,8 @@ PRESETS = {
 # Long-crop indexer distillation: keys up to 32K positions back, loss on the
 # last 1024 queries of each crop (the same scoring work per step as stage 2;
 # XLA's CPU memory estimate for the step: 26 GB; 64K crops estimated 99 GB).
-# Meant to continue from committed indexers (--indexer-init weights); run on the
-# H200 on 2026-11-29 (1249 steps, 230 s), which gave the committed weights (see lm/README.md).
+# Meant to continue from committed indexers (--indexer-init weights); the committed
+# weights' indexers were fine-tuned with it (recipe in lm/README.md).
 PRESETS["h200-long"] = dataclasses.replace(PRESETS["h200"], idx_seq_len=32768, idx_tail_blocks=2,
                                            idx_batch=2, idx_lr=3e-4, idx_warmup=20)
 
