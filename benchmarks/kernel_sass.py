@@ -51,7 +51,7 @@ def lower_kernels(out_dir: str, T: int, N: int, H: int, D: int, K: int, tiles_sp
     """Lower the kernels for CUDA and write ``NN_<kernel>.ttir`` files; returns their paths."""
     import jax
     import jax.numpy as jnp
-    from benchmarks.run import parse_tiles
+    from benchmarks.tiles import parse_tiles
     from pallas_kernels import dense as dense_mod, pipeline
 
     tiles, opts = parse_tiles(tiles_spec)
@@ -127,7 +127,7 @@ def main(argv=None):
     ap.add_argument("--H", type=int, default=32)
     ap.add_argument("--D", type=int, default=128)
     ap.add_argument("--K", type=int, default=2048)
-    ap.add_argument("--tiles", default="/8192", help="benchmarks.run.parse_tiles spec")
+    ap.add_argument("--tiles", default="/8192", help="benchmarks.tiles.parse_tiles spec")
     ap.add_argument("--which", default="dense,dosa")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
@@ -138,7 +138,7 @@ def main(argv=None):
     except ImportError:
         print("triton is not installed: stopping at the Triton IR", file=sys.stderr)
         return
-    from benchmarks.run import parse_tiles
+    from benchmarks.tiles import parse_tiles
     tiles, _ = parse_tiles(a.tiles)
     for p in paths:
         scr, ref = "dosa_screen" in p, "dosa_refine" in p
