@@ -41,13 +41,20 @@ def parse_sizes(spec: str, preset):
 
 
 def parse_cases(spec: str, preset):
-    """``--cases``: '' (all the preset's) or comma-separated names (``code2_H32``)."""
+    """``--cases``: '' (all the preset's) or comma-separated names (``code2_H32``) or head counts
+    (``H64``: the preset's cases with H = 64)."""
     if not spec:
         return preset.cases
     by_name = {c.name: c for c in preset.cases}
     from benchmarks.shapes import Case
     out = []
     for name in spec.split(","):
+        if name[:1] == "H" and name[1:].isdigit():
+            sel = [c for c in preset.cases if c.H == int(name[1:])]
+            if not sel:
+                raise ValueError(f"--cases: the preset has no case with {name}")
+            out += sel
+            continue
         if name in by_name:
             out.append(by_name[name])
             continue

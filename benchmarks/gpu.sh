@@ -3,7 +3,9 @@
 #
 #   bash benchmarks/gpu.sh [STAGE ...]      (default: tests headline matrix)
 #
-# Stages: tests | headline | matrix | matrix1m | matrix128k | kernels | select. Each stage
+# Stages: tests | headline | matrix | matrix1m | matrix1m64 | matrix128k | kernels | select
+# (matrix1m: the H = 32 cases at N = 1M; matrix1m64: the H = 64 cases; matrix128k: all 16 at
+# N = 128K; matrix: everything, longer than one 10-minute device call). Each stage
 # runs under its own timeout (seconds; TESTS_TIMEOUT, HEADLINE_TIMEOUT, MATRIX_TIMEOUT) so a
 # slow stage leaves the others' results. Files written to $OUT (few, for a device tool that
 # returns at most 8): gpu_log.txt (every stage's output), tests.txt, and each preset's
@@ -38,13 +40,15 @@ for s in $stages; do
       [ $rc -eq 0 ] || status=1 ;;
     headline) run headline "${HEADLINE_TIMEOUT:-400}" python -m benchmarks headline --out "$OUT" ;;
     matrix) run matrix "${MATRIX_TIMEOUT:-580}" python -m benchmarks matrix --out "$OUT" $MATRIX_ARGS ;;
-    matrix1m) run matrix1m "${MATRIX_TIMEOUT:-580}" python -m benchmarks matrix --N 1m --tag 1m \
-      --out "$OUT" $MATRIX_ARGS ;;
+    matrix1m) run matrix1m "${MATRIX_TIMEOUT:-580}" python -m benchmarks matrix --N 1m --cases H32 \
+      --tag 1m_h32 --out "$OUT" $MATRIX_ARGS ;;
+    matrix1m64) run matrix1m64 "${MATRIX_TIMEOUT:-580}" python -m benchmarks matrix --N 1m \
+      --cases H64 --tag 1m_h64 --out "$OUT" $MATRIX_ARGS ;;
     matrix128k) run matrix128k "${MATRIX_TIMEOUT:-580}" python -m benchmarks matrix --N 128k \
       --tag 128k --out "$OUT" $MATRIX_ARGS ;;
     kernels) run kernels "${KERNELS_TIMEOUT:-300}" python -m benchmarks kernels --out "$OUT" ;;
     select) run select "${SELECT_TIMEOUT:-200}" python -m benchmarks select --out "$OUT" ;;
-    *) echo "gpu.sh: unknown stage $s (tests headline matrix matrix1m matrix128k kernels select)" >&2
+    *) echo "gpu.sh: unknown stage $s (tests headline matrix matrix1m matrix1m64 matrix128k kernels select)" >&2
        exit 2 ;;
   esac
 done

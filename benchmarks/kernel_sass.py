@@ -1,5 +1,4 @@
-"""Read the Pallas kernels' sm_90 machine code without a GPU (there is no working profiler on
-the H200 machine: Nsight Compute crashed there in session 4).
+"""Read the Pallas kernels' sm_90 machine code without a GPU (or where no GPU profiler runs).
 
 1. Lowers ``dense_topk`` and ``dosa_topk`` for CUDA on any machine (jax's cross-platform
    lowering) at benchmark shapes and saves each Pallas kernel's Triton IR (``*.ttir``).
@@ -9,8 +8,7 @@ the H200 machine: Nsight Compute crashed there in session 4).
    ``BAR.SYNC``, ``LDGSTS`` widths, local-memory spills ``STL``/``LDL``).
 
 The standalone Triton need not be the Triton inside the GPU machine's jaxlib: read the output as
-a lead and check it with timings (BENCHMARKS.md, session 6, found the in-kernel FP8
-conversion this way).
+a lead and check it with timings.
 
     python -m benchmarks.kernel_sass --out /tmp/sass [--T 16384 --N 1048576] [--tiles SPEC]
 """

@@ -213,6 +213,8 @@ def matrix(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
                 row = dict(case=case.name, N=N, dosa_eq_dense=bitwise_equal(di, ds, ei, es),
                            **stats_summary(st))
                 del di, ds
+                log(f"[matrix] {case.name} N={N}: checked (compiled) at "
+                    f"{time.perf_counter() - t0:.1f}s, DoSA == dense {row['dosa_eq_dense']}")
                 t_dosa = timeit(f_dosa, *args, warmup=warmup, repeats=repeats)
                 t_dense = timeit(f_dense, *args, warmup=warmup, repeats=repeats)
                 row.update(dosa_ms=t_dosa.seconds * 1e3, dense_ms=t_dense.seconds * 1e3,

@@ -105,8 +105,11 @@ def test_options_parse_and_name_the_bad_argument():
     assert len(m.cases) == 16 and len({c.name for c in m.cases}) == 16
     assert [c.name for c in entry.parse_cases("code2_H32,prose1_H64", m)] == ["code2_H32",
                                                                               "prose1_H64"]
+    assert {c.H for c in entry.parse_cases("H64", m)} == {64} and len(entry.parse_cases("H64", m)) == 8
     with pytest.raises(ValueError, match="--cases"):
         entry.parse_cases("nonsense", m)
+    with pytest.raises(ValueError, match="--cases"):
+        entry.parse_cases("H16", m)
     with pytest.raises(SystemExit):
         entry.run(["decode"])      # not a preset until the library has a decode path
 
