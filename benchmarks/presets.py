@@ -97,11 +97,12 @@ def stats_summary(stats) -> Dict[str, float]:
                 tau_star_positive=float(np.mean(tstar > 0)))
 
 
-def bound_floor(inp, scores_dense, cfg, K: int, queries: int) -> Dict[str, float]:
+def bound_floor(inp, scores_dense, tau_seed, cfg, K: int, queries: int) -> Dict[str, float]:
     """The certificate evaluated on every key of ``queries`` queries strided over the T.
 
-    Over their screened (visible, non-seed) keys: survival at the seed threshold τ
-    (U^num ≥ τ), at the exact τ* (U^num ≥ τ*: the bound's floor with a perfect seed), and
+    The reference planner plans those queries as one tile; over their screened (visible,
+    non-seed) keys: survival at the run's seed threshold τ (``tau_seed``: U^num ≥ τ), at
+    the exact τ* (U^num ≥ τ*: the bound's floor with a perfect seed), and
     the means of the Eq. 14 slack terms U^num − s = δ_P + uncovered negatives + cancellation
     + numeric enclosure (``benchmarks.slack_analysis.analyse``). Over all T queries: the
     exact floor Σ min(K, |Ω|) / Σ |Ω| (a bound with U = s at τ*).
@@ -121,8 +122,9 @@ def bound_floor(inp, scores_dense, cfg, K: int, queries: int) -> Dict[str, float
     n = max(int(scr.sum()), 1)
     tau_star = np.asarray(scores_dense, np.float64)[sub, K - 1]
     u = a["u_num"]
+    tau = np.asarray(tau_seed, np.float64)[sub]
     out.update(bound_queries=len(sub),
-               survival_sub_tau=float((scr & ~(u < a["tau"][:, None])).sum() / n),
+               survival_sub_tau=float((scr & ~(u < tau[:, None])).sum() / n),
                survival_sub_tau_star=float((scr & ~(u < tau_star[:, None])).sum() / n),
                **{f"slack_{t}": float(a[t][scr].mean()) for t in ("pos", "unc", "canc", "num")})
     return out
@@ -221,7 +223,7 @@ def matrix(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
                            dense_over_dosa=t_dense.seconds / t_dosa.seconds, clock=t_dosa.clock)
                 log(f"[matrix] {case.name} N={N}: timed DoSA {row['dosa_ms']:.1f} ms, dense "
                     f"{row['dense_ms']:.1f} ms")
-                row.update(bound_floor(inp, es, cfg, p.K, p.bound_queries))
+                row.update(bound_floor(inp, es, st.tau_seed, cfg, p.K, p.bound_queries))
                 del ei, es
                 tab.add(row)
                 log(f"[matrix] {case.name} N={N}: done in {time.perf_counter() - t0:.1f}s {row}")
