@@ -1,6 +1,6 @@
 """Device-side timing of jitted calls from the profiler's GPU activity records.
 
-SPEC §14 asks for CUDA-event based timing. JAX exposes no CUDA events, but its
+DESIGN §14 asks for CUDA-event based timing. JAX exposes no CUDA events, but its
 profiler records every kernel and copy on the GPU with CUPTI activity
 timestamps (the mechanism behind Nsight Systems), which time the device work
 the same way. :func:`device_times` runs ``fn`` ``iters`` times inside one
@@ -17,8 +17,10 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import statistics
 import tempfile
 import time
+from typing import NamedTuple, Optional
 
 import jax
 
@@ -174,3 +176,43 @@ def device_times(fn, *args, warmup: int = 2, iters: int = 10):
         return spans, wall
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+class Timing(NamedTuple):
+    """Median seconds of the timed calls: ``seconds`` on ``clock`` ("device": the calls' GPU
+    activity spans; "wall": ``perf_counter`` around each call and its ``block_until_ready``),
+    the wall median of the same calls, and how many calls were timed."""
+
+    seconds: float
+    clock: str
+    wall_seconds: float
+    calls: int
+
+
+def timeit(fn, *args, warmup: int = 2, repeats: int = 10, clock: Optional[str] = None) -> Timing:
+    """Median time of ``repeats`` calls of ``fn(*args)`` after ``warmup`` untimed calls.
+
+    On a GPU the calls run inside one profiler trace and each call's device span
+    (:func:`device_times`) is the figure; elsewhere, or with ``clock="wall"`` (or
+    ``DOSA_TIMING=wall``), the wall time of the same calls.
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    clock = clock or os.environ.get("DOSA_TIMING", "device")
+    if clock not in ("device", "wall"):
+        raise ValueError(f"clock must be 'device' or 'wall', got {clock!r}")
+    if clock == "wall" or jax.default_backend() not in ("gpu", "cuda"):
+        for _ in range(warmup):
+            jax.block_until_ready(fn(*args))
+        wall = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            wall.append(time.perf_counter() - t0)
+        dev = None
+    else:
+        dev, wall = device_times(fn, *args, warmup=warmup, iters=repeats)
+    w = statistics.median(wall)
+    if dev:
+        return Timing(statistics.median(dev), "device", w, repeats)
+    return Timing(w, "wall", w, repeats)

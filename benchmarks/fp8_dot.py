@@ -1,18 +1,17 @@
-"""FP8 dots on Hopper's FP8 tensor-core path, for the uncertified FP8-MMA probe (benchmark only).
+"""FP8 dots on Hopper's FP8 tensor-core path, for uncertified FP8-MMA probes (benchmark only).
 
 Pallas's Triton lowering emits ``tt.dot`` without ``maxNumImpreciseAcc``. For FP8 operands
-Triton then falls back to ``mma.sync`` after converting both tiles to f16: the dense scan's
-sm_90 code held ``HMMA.16816`` instead of ``wgmma``, needed 255 registers and spilled, and it
-ran 297 ms against 80 ms for bf16 at T = 16K, N = 128K (BENCHMARKS.md, session 8). With
-``maxNumImpreciseAcc = 2^30`` the same IR compiles to ``QGMMA.64x128x32.F32.E4M3.E4M3`` and
-205 registers (standalone Triton 3.6, read on CPU with ``benchmarks.kernel_sass``).
+Triton then falls back to ``mma.sync`` after converting both tiles to f16 (``HMMA.16816`` in
+the sm_90 code instead of ``wgmma``, with more registers and spills). With
+``maxNumImpreciseAcc = 2^30`` the same IR compiles to ``QGMMA.64x128x32.F32.E4M3.E4M3``
+(read on CPU with ``benchmarks.kernel_sass``).
 
 :func:`fast_fp8_accumulation` sets that attribute on the FP8 dots lowered inside it. It
 patches jaxlib's Triton dialect binding for the duration of the ``with`` block, so *compile*
 inside it (``jax.jit(f).lower(*args).compile()``); the compiled executable keeps the attribute.
 Hopper accumulates FP8 products with reduced precision unless the kernel promotes partial sums,
 and NVIDIA documents no error bound for it: scores from such a kernel may not enter DoSA's
-certificate. Only the uncertified FP8 throughput probe in ``benchmarks.run`` uses it.
+certificate. Use it only for throughput probes whose scores are not certified.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""Read the Pallas kernels' sm_90 machine code without a GPU (there is no working profiler on
-the H200 machine: Nsight Compute crashed there in session 4).
+"""Read the Pallas kernels' sm_90 machine code without a GPU (or where no GPU profiler runs).
 
 1. Lowers ``dense_topk`` and ``dosa_topk`` for CUDA on any machine (jax's cross-platform
    lowering) at benchmark shapes and saves each Pallas kernel's Triton IR (``*.ttir``).
@@ -9,8 +8,7 @@ the H200 machine: Nsight Compute crashed there in session 4).
    ``BAR.SYNC``, ``LDGSTS`` widths, local-memory spills ``STL``/``LDL``).
 
 The standalone Triton need not be the Triton inside the GPU machine's jaxlib: read the output as
-a lead and check it with timings (BENCHMARKS.md, session 6, found the in-kernel FP8
-conversion this way).
+a lead and check it with timings.
 
     python -m benchmarks.kernel_sass --out /tmp/sass [--T 16384 --N 1048576] [--tiles SPEC]
 """
@@ -51,7 +49,7 @@ def lower_kernels(out_dir: str, T: int, N: int, H: int, D: int, K: int, tiles_sp
     """Lower the kernels for CUDA and write ``NN_<kernel>.ttir`` files; returns their paths."""
     import jax
     import jax.numpy as jnp
-    from benchmarks.run import parse_tiles
+    from benchmarks.tiles import parse_tiles
     from pallas_kernels import dense as dense_mod, pipeline
 
     tiles, opts = parse_tiles(tiles_spec)
@@ -127,7 +125,7 @@ def main(argv=None):
     ap.add_argument("--H", type=int, default=32)
     ap.add_argument("--D", type=int, default=128)
     ap.add_argument("--K", type=int, default=2048)
-    ap.add_argument("--tiles", default="/8192", help="benchmarks.run.parse_tiles spec")
+    ap.add_argument("--tiles", default="/8192", help="benchmarks.tiles.parse_tiles spec")
     ap.add_argument("--which", default="dense,dosa")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
@@ -138,7 +136,7 @@ def main(argv=None):
     except ImportError:
         print("triton is not installed: stopping at the Triton IR", file=sys.stderr)
         return
-    from benchmarks.run import parse_tiles
+    from benchmarks.tiles import parse_tiles
     tiles, _ = parse_tiles(a.tiles)
     for p in paths:
         scr, ref = "dosa_screen" in p, "dosa_refine" in p

@@ -1,4 +1,4 @@
-"""Pruning on the trained indexer's dumps (issue 5's measurement; runs on the GPU).
+"""Pruning on the trained indexer's dumps (reference backend; runs on the GPU).
 
 For each domain and layer at the given context length (the last T positions
 are queries, causal), with the reference backend:

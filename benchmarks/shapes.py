@@ -1,41 +1,88 @@
-"""Named benchmark shapes (SPEC §14) as data.
+"""Benchmark presets as data (DESIGN §14): shapes, cases and timing counts.
 
-H ∈ {32, 64}, D = 128, K = 2048, FP8 keys with per-key scales, bf16 queries;
-causal prefill chunks (queries at the end of the context) and decode batches.
+Every timed problem is a causal prefill chunk of the trained indexer
+(``dosa_jax.datasets.trained``): the last T of the first N held-out tokens are
+the queries, D = 128, FP8 e4m3 keys with per-key power-of-two scales, bf16
+queries, K = 2048. A *case* names the indexer (domain, layer, heads H); a
+*preset* names the cases, the context lengths N it runs them at, and how it
+times them. ``QUICK`` holds the same presets at tiny shapes for a CPU smoke run
+(N = 4096 reads the committed fixture where it holds the case).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional, Tuple
 
 
-class Shape(NamedTuple):
-    name: str
-    T: int          # queries
-    N: int          # context (keys)
+class Case(NamedTuple):
+    """One trained indexer: domain (``code``/``prose``), layer 0–3, heads H (32 or 64)."""
+
+    domain: str
+    layer: int
     H: int = 32
-    D: int = 128
+
+    @property
+    def name(self) -> str:
+        return f"{self.domain}{self.layer}_H{self.H}"
+
+
+class Preset(NamedTuple):
+    """What one ``python -m benchmarks <name>`` measures.
+
+    T: queries; Ns: default context lengths; N_options: the lengths ``--N all``
+    selects; cases: the indexers; K: top-k; seeds: ``Config.seed_size`` (None:
+    the library default 2·K); repeats / warmup: timed and untimed calls per
+    measurement; bound_queries: queries (strided over the T) on which the matrix
+    evaluates the certificate per key (its floor and slack split); select_rows /
+    select_cols: the score matrix of the selection preset.
+    """
+
+    name: str
+    T: int
+    Ns: Tuple[int, ...]
+    N_options: Tuple[int, ...]
+    cases: Tuple[Case, ...]
     K: int = 2048
-    causal: bool = True
+    D: int = 128
+    seeds: Optional[int] = None
+    repeats: int = 10
+    warmup: int = 2
+    bound_queries: int = 0
+    select_rows: int = 256
+    select_cols: int = 1 << 20
 
 
-def _prefill(T, N, H=32):
-    return Shape(f"prefill_T{T // 1024}k_N{N // 1024}k_H{H}", T, N, H)
+KiB = 1024
+MiB = 1 << 20
+LONG_NS = (MiB, 512 * KiB, 256 * KiB, 128 * KiB)
+DOMAINS = ("code", "prose")
+LAYERS = (0, 1, 2, 3)
 
+#: code/prose × layers 0–3 at H = 32, then the same at H = 64 (one compile per (H, N)).
+MATRIX_CASES = tuple(Case(d, l, h) for h in (32, 64) for d in DOMAINS for l in LAYERS)
 
-def _decode(T, N, H=32):
-    return Shape(f"decode_T{T}_N{N // 1024}k_H{H}", T, N, H)
-
-
-SHAPES = {s.name: s for s in (
-    [_prefill(T, N, H) for H in (32, 64) for T in (4096, 16384)
-     for N in (131072, 262144, 524288, 1048576)]
-    + [_decode(T, N, H) for H in (32, 64) for T in (8, 64) for N in (131072, 1048576)]
-    + [Shape("smoke_T256_N16k_H32", 256, 16384, 32),
-       Shape("small_T1k_N64k_H32", 1024, 65536, 32)]
+PRESETS = {p.name: p for p in (
+    Preset("headline", T=16 * KiB, Ns=(MiB,), N_options=LONG_NS, cases=(Case("code", 2),),
+           seeds=8192, repeats=10, warmup=2),
+    Preset("matrix", T=16 * KiB, Ns=(MiB, 128 * KiB), N_options=(MiB, 128 * KiB),
+           cases=MATRIX_CASES, repeats=3, warmup=1, bound_queries=16),
+    Preset("kernels", T=16 * KiB, Ns=(MiB,), N_options=LONG_NS, cases=(Case("code", 2),),
+           seeds=8192, repeats=3, warmup=1),
+    Preset("select", T=0, Ns=(), N_options=(), cases=(), repeats=30, warmup=5),
+    # "decode": add a Preset here (T = decode batch, e.g. 8 or 64) and its measurement in
+    # benchmarks.presets.RUNNERS once the library has a decode path.
 )}
 
-#: The shapes named in issue 4's targets (H=32, causal, FP8 keys).
-TARGETS = ("prefill_T16k_N128k_H32", "prefill_T16k_N1024k_H32")
-#: A quick set that fits one short GPU call.
-QUICK = ("prefill_T4k_N128k_H32", "prefill_T16k_N1024k_H32")
+#: The same presets at CPU smoke-test size (the fixture's N = 4096, cases it stores).
+QUICK = {
+    "headline": PRESETS["headline"]._replace(T=8, Ns=(4096,), N_options=(4096, 2048), K=64,
+                                             seeds=128, cases=(Case("code", 0),),
+                                             repeats=2, warmup=1),
+    "matrix": PRESETS["matrix"]._replace(T=8, Ns=(4096,), N_options=(4096,), K=64, seeds=128,
+                                         cases=(Case("code", 0), Case("prose", 3)),
+                                         repeats=2, warmup=1, bound_queries=2),
+    "kernels": PRESETS["kernels"]._replace(T=8, Ns=(4096,), N_options=(4096,), K=64, seeds=128,
+                                           cases=(Case("code", 0),), repeats=2, warmup=1),
+    "select": PRESETS["select"]._replace(repeats=2, warmup=1, select_rows=8, select_cols=4096,
+                                         K=64),
+}

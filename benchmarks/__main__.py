@@ -1,0 +1,108 @@
+"""``python -m benchmarks <preset> [options]``: run one named preset, print and write its table.
+
+    python -m benchmarks headline [--N all]             # XLA / dense / DoSA, T = 16K, N = 1M
+    python -m benchmarks matrix [--N 1048576] [--cases code2_H32,prose1_H64]
+    python -m benchmarks kernels                        # per-kernel device profile
+    python -m benchmarks select                         # exact_topk vs lax.top_k
+    python -m benchmarks matrix --quick                 # tiny shapes, CPU smoke run
+
+Presets (shapes, cases, timing counts) are data in :mod:`benchmarks.shapes`; the
+measurements are in :mod:`benchmarks.presets`. Each run writes ``<preset>.md`` and
+``<preset>.json`` (``--tag`` adds a suffix) to ``--out`` (default ``$OUT``, else
+``./bench_out``), rewritten after every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from benchmarks.report import log, run_meta
+from benchmarks.shapes import PRESETS, QUICK
+
+
+def parse_sizes(spec: str, preset):
+    """``--N``: '' (the preset's), ``all`` (its options) or comma-separated ints (``1048576``,
+    ``128k``, ``1m``)."""
+    if not spec:
+        return preset.Ns
+    if spec == "all":
+        return preset.N_options
+    out = []
+    for s in spec.split(","):
+        s = s.strip().lower()
+        mult = {"k": 1024, "m": 1 << 20}.get(s[-1:], 1)
+        try:
+            out.append(int(s[:-1] if mult > 1 else s) * mult)
+        except ValueError:
+            raise ValueError(f"--N: cannot read {s!r} (ints, 128k, 1m, or 'all')") from None
+    return tuple(out)
+
+
+def parse_cases(spec: str, preset):
+    """``--cases``: '' (all the preset's) or comma-separated names (``code2_H32``) or head counts
+    (``H64``: the preset's cases with H = 64)."""
+    if not spec:
+        return preset.cases
+    by_name = {c.name: c for c in preset.cases}
+    from benchmarks.shapes import Case
+    out = []
+    for name in spec.split(","):
+        if name[:1] == "H" and name[1:].isdigit():
+            sel = [c for c in preset.cases if c.H == int(name[1:])]
+            if not sel:
+                raise ValueError(f"--cases: the preset has no case with {name}")
+            out += sel
+            continue
+        if name in by_name:
+            out.append(by_name[name])
+            continue
+        try:   # any domain/layer/H the trained weights hold, e.g. prose2_H64
+            dom_layer, h = name.split("_H")
+            out.append(Case(dom_layer.rstrip("0123456789"), int(dom_layer[-1]), int(h)))
+        except ValueError:
+            raise ValueError(f"--cases: unknown case {name!r} (e.g. code2_H32; the preset has "
+                             f"{sorted(by_name)})") from None
+    return tuple(out)
+
+
+def run(argv=None):
+    """Run a preset; returns its :class:`benchmarks.report.Table`."""
+    from benchmarks.presets import RUNNERS
+    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
+    ap.add_argument("preset", choices=sorted(RUNNERS))
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
+    ap.add_argument("--N", default="", help="context lengths: '', 'all' or e.g. 1m,128k")
+    ap.add_argument("--cases", default="", help="e.g. code2_H32,prose1_H64 (default: all)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed calls (median)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed calls first")
+    ap.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
+    ap.add_argument("--tag", default="", help="suffix of the output file names")
+    a = ap.parse_args(argv)
+    preset = (QUICK if a.quick else PRESETS)[a.preset]
+    repeats = preset.repeats if a.repeats is None else a.repeats
+    warmup = preset.warmup if a.warmup is None else a.warmup
+    if repeats < 1 or warmup < 0:
+        ap.error(f"--repeats must be >= 1 and --warmup >= 0, got {repeats}, {warmup}")
+    try:
+        Ns, cases = parse_sizes(a.N, preset), parse_cases(a.cases, preset)
+    except ValueError as e:
+        ap.error(str(e))
+    meta = run_meta(preset)
+    meta.update(Ns=list(Ns), cases=[c.name for c in cases], repeats=repeats, warmup=warmup,
+                quick=a.quick, tag=a.tag)
+    log(f"[{a.preset}] N={list(Ns)} cases={[c.name for c in cases]} repeats={repeats} "
+        f"warmup={warmup} out={a.out}")
+    tab = RUNNERS[a.preset](preset, Ns, cases, a.out, meta, repeats, warmup)
+    log(tab.markdown())
+    return tab
+
+
+def main(argv=None) -> int:
+    tab = run(argv)
+    return 1 if tab.errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

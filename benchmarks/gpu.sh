@@ -1,0 +1,55 @@
+#!/bin/bash
+# The GPU run: the -m gpu tests, then the headline and matrix presets, outputs in $OUT.
+#
+#   bash benchmarks/gpu.sh [STAGE ...]      (default: tests headline matrix)
+#
+# Stages: tests | headline | matrix | matrix1m | matrix1m64 | matrix128k | kernels | select
+# (matrix1m: the H = 32 cases at N = 1M; matrix1m64: the H = 64 cases; matrix128k: all 16 at
+# N = 128K; matrix: everything, longer than one 10-minute device call). Each stage
+# runs under its own timeout (seconds; TESTS_TIMEOUT, HEADLINE_TIMEOUT, MATRIX_TIMEOUT) so a
+# slow stage leaves the others' results. Files written to $OUT (few, for a device tool that
+# returns at most 8): gpu_log.txt (every stage's output), tests.txt, and each preset's
+# <preset>.md / <preset>.json (rewritten after every row: a killed stage keeps its rows).
+# Set DOSA_COMMIT=<sha> when the device copy has no usable git metadata. MATRIX_ARGS adds
+# options to the matrix stages (e.g. --cases code2_H32,prose1_H64).
+set -o pipefail
+OUT=${OUT:-bench_out}
+mkdir -p "$OUT"
+export OUT PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+LOG=$OUT/gpu_log.txt
+stages=${*:-tests headline matrix}
+status=0
+run() {   # run NAME TIMEOUT COMMAND...: the command's output to the log and stdout
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name: $* (timeout ${limit}s) $(date -u +%H:%M:%S)" | tee -a "$LOG"
+  timeout "$limit" "$@" 2>&1 | tee -a "$LOG"
+  local rc=$?
+  echo "=== $name: exit $rc $(date -u +%H:%M:%S)" | tee -a "$LOG"
+  [ $rc -eq 0 ] || status=1
+}
+for s in $stages; do
+  case $s in
+    tests)
+      echo "=== tests: python -m pytest -m gpu -p no:xdist -q tests" | tee -a "$LOG"
+      timeout "${TESTS_TIMEOUT:-300}" python -m pytest -m gpu -p no:xdist -q -p no:cacheprovider \
+        tests > "$OUT/tests.txt" 2>&1
+      rc=$?
+      tail -5 "$OUT/tests.txt" | tee -a "$LOG"
+      echo "=== tests: exit $rc" | tee -a "$LOG"
+      [ $rc -eq 0 ] || status=1 ;;
+    headline) run headline "${HEADLINE_TIMEOUT:-400}" python -m benchmarks headline --out "$OUT" ;;
+    matrix) run matrix "${MATRIX_TIMEOUT:-580}" python -m benchmarks matrix --out "$OUT" $MATRIX_ARGS ;;
+    matrix1m) run matrix1m "${MATRIX_TIMEOUT:-580}" python -m benchmarks matrix --N 1m --cases H32 \
+      --tag 1m_h32 --out "$OUT" $MATRIX_ARGS ;;
+    matrix1m64) run matrix1m64 "${MATRIX_TIMEOUT:-580}" python -m benchmarks matrix --N 1m \
+      --cases H64 --tag 1m_h64 --out "$OUT" $MATRIX_ARGS ;;
+    matrix128k) run matrix128k "${MATRIX_TIMEOUT:-580}" python -m benchmarks matrix --N 128k \
+      --tag 128k --out "$OUT" $MATRIX_ARGS ;;
+    kernels) run kernels "${KERNELS_TIMEOUT:-300}" python -m benchmarks kernels --out "$OUT" ;;
+    select) run select "${SELECT_TIMEOUT:-200}" python -m benchmarks select --out "$OUT" ;;
+    *) echo "gpu.sh: unknown stage $s (tests headline matrix matrix1m matrix1m64 matrix128k kernels select)" >&2
+       exit 2 ;;
+  esac
+done
+exit $status

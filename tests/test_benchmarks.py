@@ -1,0 +1,132 @@
+"""``python -m benchmarks``: every preset at its ``--quick`` shapes on the CPU, through the entry
+point's Python function; the tables' rows and columns, the matrix's geometric mean recomputed
+from its rows, the files written after each row, and the option parsing."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from benchmarks import __main__ as entry
+from benchmarks.report import Table, geometric_mean
+from benchmarks.shapes import PRESETS, QUICK
+
+
+@pytest.fixture(scope="module")
+def tables(tmp_path_factory):
+    """Each preset run once, in one process (the quick presets share a config and shapes, so
+    DoSA and the dense scan compile once)."""
+    out = str(tmp_path_factory.mktemp("bench"))
+    return out, {name: entry.run([name, "--quick", "--out", out])
+                 for name in ("headline", "matrix", "kernels", "select")}
+
+
+def _columns(tab):
+    return [k for k, _ in tab.columns]
+
+
+def test_headline_rows_and_columns(tables):
+    _, t = tables
+    tab = t["headline"]
+    p = QUICK["headline"]
+    assert [(r["case"], r["N"]) for r in tab.rows] == [(c.name, n) for c in p.cases for n in p.Ns]
+    for r in tab.rows:
+        assert set(_columns(tab)) <= set(r)
+        assert r["dosa_eq_dense"] is True
+        assert min(r["xla_ms"], r["dense_ms"], r["dosa_ms"]) > 0
+        assert r["dense_over_dosa"] == pytest.approx(r["dense_ms"] / r["dosa_ms"])
+        assert r["xla_over_dosa"] == pytest.approx(r["xla_ms"] / r["dosa_ms"])
+        assert 0 < r["survival"] <= 1 and r["xla_index_agreement"] > 0.9
+
+
+def test_matrix_geometric_mean_from_its_rows(tables):
+    out, t = tables
+    tab = t["matrix"]
+    p = QUICK["matrix"]
+    assert sorted((r["case"], r["N"]) for r in tab.rows) == sorted(
+        (c.name, n) for c in p.cases for n in p.Ns)
+    ratios = [r["dense_ms"] / r["dosa_ms"] for r in tab.rows]
+    expected = float(np.exp(np.mean(np.log(ratios))))
+    (label, got), = [(k, v) for k, v in tab.summary().items() if k.startswith("geometric mean")]
+    assert got == pytest.approx(expected, rel=1e-12)
+    assert f"({len(ratios)} cases)" in label
+    for r in tab.rows:
+        assert set(_columns(tab)) <= set(r), set(_columns(tab)) - set(r)
+        assert r["dosa_eq_dense"] is True
+        assert r["bound_queries"] == p.bound_queries
+        # the bound's floor at τ* never exceeds survival at τ ≤ τ* on the same keys
+        assert 0 <= r["survival_sub_tau_star"] <= r["survival_sub_tau"] <= 1
+        assert 0 < r["floor_exact"] <= 1
+        assert all(r[f"slack_{k}"] >= -1e-6 for k in ("pos", "unc", "canc"))
+    saved = json.load(open(tab.json_path))
+    assert [s["case"] for s in saved["rows"]] == [r["case"] for r in tab.rows]
+    assert saved["summary"][label] == pytest.approx(expected, rel=1e-12)
+    md = open(tab.md_path).read().splitlines()
+    header = next(i for i, l in enumerate(md) if l.startswith("| case |"))
+    assert sum(l.startswith("| ") for l in md[header + 2:]) == len(tab.rows)
+    assert tab.md_path.startswith(out)
+
+
+def test_kernels_and_select_rows(tables):
+    _, t = tables
+    k = t["kernels"]
+    assert {r["path"] for r in k.rows} == {"dosa", "dense"}
+    assert all(r["ms"] > 0 for r in k.rows)
+    s = t["select"]
+    assert [r["path"] for r in s.rows] == ["pallas", "reference", "lax.top_k"]
+    assert all(r["equal"] and r["equal_ties_nan"] for r in s.rows[:2])
+    assert s.rows[2]["vs_lax"] == 1.0
+
+
+def test_geometric_mean_and_table_written_after_every_row(tmp_path):
+    assert geometric_mean([1.0, 4.0]) == pytest.approx(2.0)
+    assert geometric_mean([0.5, 2.0, 8.0]) == pytest.approx(2.0)
+    assert math.isnan(geometric_mean([]))
+    tab = Table("t", "title", [("a", "A")], str(tmp_path),
+                dict(date="d", commit="c", device="x", backend="cpu", jax="j", command="cmd"))
+    tab.add(dict(a=1.5))
+    assert json.load(open(tab.json_path))["rows"] == [dict(a=1.5)]
+    tab.add(dict(a=2.5))
+    assert "| 2.500 |" in open(tab.md_path).read()
+    assert len(json.load(open(tab.json_path))["rows"]) == 2
+
+
+def test_options_parse_and_name_the_bad_argument():
+    p = PRESETS["headline"]
+    assert entry.parse_sizes("", p) == p.Ns
+    assert entry.parse_sizes("all", p) == p.N_options
+    assert entry.parse_sizes("1m,128k,4096", p) == (1 << 20, 131072, 4096)
+    with pytest.raises(ValueError, match="--N"):
+        entry.parse_sizes("lots", p)
+    m = PRESETS["matrix"]
+    assert len(m.cases) == 16 and len({c.name for c in m.cases}) == 16
+    assert [c.name for c in entry.parse_cases("code2_H32,prose1_H64", m)] == ["code2_H32",
+                                                                              "prose1_H64"]
+    assert {c.H for c in entry.parse_cases("H64", m)} == {64} and len(entry.parse_cases("H64", m)) == 8
+    with pytest.raises(ValueError, match="--cases"):
+        entry.parse_cases("nonsense", m)
+    with pytest.raises(ValueError, match="--cases"):
+        entry.parse_cases("H16", m)
+    with pytest.raises(SystemExit):
+        entry.run(["decode"])      # not a preset until the library has a decode path
+
+
+def test_tile_specs_parse_seeds_and_anchors():
+    from benchmarks.tiles import BENCH_SEEDS, parse_tiles, tiles_name
+    from pallas_kernels import dense
+    t, o = parse_tiles("kh:128:4:3:kh:8:4:0:32/8192/64")
+    assert (t.layout, t.BK, t.num_stages, t.screen_bq, t.screen_lane_sums, t.screen_bk) == (
+        "kh", 128, 3, 8, False, 32)
+    cfg = o.config(2048)
+    assert (cfg.seed_size, cfg.anchor_stride, cfg.backend) == (8192, 64, "pallas")
+    assert tiles_name(t, o).endswith("/8192/64") and t.widen_fp8
+    t, _ = parse_tiles("screen_defer=1+screen_stages=2+BK=128")
+    assert t == dense.Tiles()._replace(screen_defer=True, screen_stages=2, BK=128)
+    assert parse_tiles(tiles_name(t))[0] == t
+    with pytest.raises(ValueError, match="screen_defr"):
+        parse_tiles("screen_defr=1")
+    t, o = parse_tiles("")
+    assert t == dense.Tiles() and (o.seeds, o.anchor) == (BENCH_SEEDS, 0)
