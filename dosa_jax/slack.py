@@ -64,7 +64,7 @@ class PlanChoices(NamedTuple):
 
     Attributes:
       retained, omitted_pos, omitted_neg, support: [T, H] bool: R, P = H⁺∖R, N = H⁻∖R and
-        the negative support A ⊆ N (SPEC §4, Eq. 8).
+        the negative support A ⊆ N (DESIGN §4, Eq. 8).
       anchor: [T, H] int32 anchor j*_h of each h ∈ P (−1: none, β_h = 0; Eq. 4–5).
       linear: [T] bool, absolute-value form (Eq. 24–25): subtract a_A·k, not relu(a_A·k).
       tau_seed: [T] float32 seed threshold τ (Eq. 2, with the pipeline's witnesses).
