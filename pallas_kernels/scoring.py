@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import (column_sums, keys_rows_dot, pieces_value, piece_pairs,
+from pallas_kernels.common import (column_sums, keys_rows_dot, piece_pairs,
                                    rows_keys_dot)
 
 Array = jax.Array
@@ -132,7 +132,3 @@ def score_reference(q_pieces: Array, w: Array, k_pieces: Array, scale=None) -> A
         s = s * scale[None, :]
     return jnp.where(s == 0, 0.0, s)
 
-
-def operand_value(pieces: Array) -> Array:
-    """The float32 operand a kernel actually multiplies (sum of its pieces)."""
-    return pieces_value(pieces)

@@ -72,12 +72,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from dosa_jax import numerics as nm
+from dosa_jax.tiling import round_up_to
 from pallas_kernels import records as rec
 from pallas_kernels.common import (GROUP, ID_BITS, column_sums, compiler_params, group_range,
                                    group_ranges,
                                    in_lane_order, interpret_default, keys_rows_dot,
                                    lane_sums_apply, next_pow2,
-                                   pad_axis, piece_pairs, round_up, row_pieces, rows_keys_dot,
+                                   pad_axis, piece_pairs, row_pieces, rows_keys_dot,
                                    split_key_tiles)
 
 Array = jax.Array
@@ -222,7 +223,7 @@ def prepare_screen(rows, row_w, agg_cols, agg_w, coef, eps, tau, prune, Dp: int,
     Rp = screen_rows(R, A, layout)
     BQs = screen_queries_per_program(Rp, T, layout, BQs)
     lane_sums = bool(lane_sums) and layout == "kc" and lane_sums_apply(BQs, Rp)
-    Tpad = round_up(T, BQs)
+    Tpad = round_up_to(T, BQs)
     allr = jnp.concatenate([rows.astype(jnp.float32), agg_cols.astype(jnp.float32)], axis=1)
     allr = pad_axis(pad_axis(pad_axis(allr, 1, Rp), 2, Dp), 0, Tpad)
     rw = pad_axis(pad_axis(jnp.concatenate(
@@ -673,7 +674,7 @@ def compact_masks(masks: Array, lo, hi, *, splits: int, capacity: int, chunk: in
     G4 = masks.shape[0] * (2 if packed else 1)
     lo = pad_axis(lo.astype(jnp.int32), 0, G4 * GROUP)
     hi = pad_axis(hi.astype(jnp.int32), 0, G4 * GROUP)
-    return _compact_call(masks, lo, hi, S=splits, Cs=round_up(capacity, 16), CH=chunk,
+    return _compact_call(masks, lo, hi, S=splits, Cs=round_up_to(capacity, 16), CH=chunk,
                          CPP=int(chunks_per_program), CCPP=int(count_chunks), packed=bool(packed),
                          interpret=interpret)
 

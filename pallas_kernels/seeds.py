@@ -38,13 +38,15 @@ from jax.experimental import pallas as pl
 
 from dosa_jax.seeds import distinct_visible
 from dosa_jax.selection import INT32_MIN, order_key
+from dosa_jax.tiling import round_up_to
 from pallas_kernels import records as rec
 from pallas_kernels.common import (ID_BITS, THETA_NONE, cdiv, compiler_params, group_ranges,
                                    interpret_default,
-                                   kernel_order_key, round_up, unpack_entries)
-from pallas_kernels.dense import Operands, Tiles
+                                   kernel_order_key, unpack_entries)
+from pallas_kernels.operands import Operands
 from pallas_kernels.refine import score_list_tile
 from pallas_kernels.scoring import load_query_tile, score_reference
+from pallas_kernels.tiles import Tiles
 
 Array = jax.Array
 
@@ -59,7 +61,7 @@ SPREAD = 64
 def seed_list_length(size: int, block: int, witnesses: int = 0) -> int:
     """Slots L' of a group seed list: the layout of ``size`` seeds (+ :data:`SPREAD`) and
     ``witnesses`` extra ids, each rounded up to whole tiles of ``block`` keys."""
-    return round_up(size + SPREAD, block) + (round_up(witnesses, block) if witnesses else 0)
+    return round_up_to(size + SPREAD, block) + (round_up_to(witnesses, block) if witnesses else 0)
 
 
 def _group_visibility(ids, lo4, hi4, valid):

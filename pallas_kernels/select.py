@@ -32,9 +32,9 @@ from jax.experimental import pallas as pl
 
 from dosa_jax import selection
 from dosa_jax.selection import INT32_MIN, order_key
+from dosa_jax.tiling import round_up_to
 from pallas_kernels import records as rec
-from pallas_kernels.common import (THETA_NONE, compiler_params, interpret_default, kernel_order_key,
-                                   round_up)
+from pallas_kernels.common import (THETA_NONE, compiler_params, interpret_default, kernel_order_key)
 
 Array = jax.Array
 
@@ -113,7 +113,7 @@ def filter_plan(T: int, M: int, k: int, block: int = 512, splits=None, sample: i
     """Static sizes of the filter pass: tile BK, compaction chunk CH, slots C per
     (row, split) (≥ k + BK: a compaction always frees a tile's room), splits S, sample stride."""
     CH = 512
-    return dict(BK=block, CH=CH, C=round_up(k + block, CH),
+    return dict(BK=block, CH=CH, C=round_up_to(k + block, CH),
                 S=splits or max(1, min(8, 1024 // max(T, 1), M // (block * 64))),
                 stride=max(1, M // sample))
 

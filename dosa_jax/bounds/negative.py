@@ -43,8 +43,9 @@ def negative_aggregate(q, w, support):
     c = jnp.where(support, jnp.abs(w), 0.0)
     terms = c[:, None] * q
     # fixed order h = 0..H-1 (err below bounds any order of this H-term sum), unrolled: one
-    # fused kernel, not H launches of a loop (32 per wave on the H200, session 13)
-    a = lax.fori_loop(0, H, lambda h, acc: acc + terms[h], jnp.zeros(q.shape[1:], terms.dtype),
+    # fused kernel, not H launches of a loop; the carry starts from the inputs (zeros_like:
+    # the same varying axes under shard_map)
+    a = lax.fori_loop(0, H, lambda h, acc: acc + terms[h], jnp.zeros_like(terms[0]),
                       unroll=True)
     mag = nm.inflate(jnp.sum(c * nm.norm_upper(q)), H)
     err = jnp.float32(nm.gamma(H + 1)) * mag * 1.01 + jnp.float32((H + 1) * q.shape[-1] ** 0.5 * nm.ETA32)
