@@ -43,7 +43,7 @@ class Config:
         (0.75: with S = 2K the local window alone holds ≥ K keys).
       survivor_cost: κ, the weight of the survival fraction in the ``"auto"`` budget's
         cost (r + d_a)/H + κ·m (Eq. 21 has κ = 1: dot products counted); None → the
-        backend's measured value (reference 1; pallas
+        backend's value (reference 1; pallas
         ``pallas_kernels.pipeline.SURVIVOR_COST``, whose budget is also shared by each
         screening program's queries).
       budget_sample: strided keys per query scored for the ``"auto"`` budget's

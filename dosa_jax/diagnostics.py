@@ -98,7 +98,8 @@ class ScreeningCounts(NamedTuple):
 
 
 def screening_counts(q, k, w, k_scale=None, lo=None, hi=None, config=None) -> ScreeningCounts:
-    """How much pruning the numerical enclosure costs (issue 3's measurement).
+    """How much pruning the numerical enclosure costs (App. C's allowance against the
+    real-number certificate).
 
     For every query, at its seed threshold τ (no raising), counts the screened keys
     that survive the numeric certificate U^num, the real-number certificate

@@ -44,9 +44,9 @@ def rounded_to(x, dtype):
     ``xla_allow_excess_precision`` the GPU compiler may drop the round trip (its
     float-conversion simplification), so under ``jax.jit`` the "rounded" value is ``x`` itself
     and every error term computed from it is zero while the kernels multiply the rounded
-    operands. Found on the H200: the screening bound of the budget-class test lost its
-    aggregate-split remainder under jit (1094 keys with U < s; eager: none). The optimization
-    barrier hides the pair from that simplification; the value is the correctly rounded cast.
+    operands (a screening bound would then lose its aggregate-split remainder under jit and
+    fall below computed scores). The optimization barrier hides the pair from that
+    simplification; the value is the correctly rounded cast.
     """
     return lax.optimization_barrier(jnp.asarray(x).astype(dtype)).astype(jnp.float32)
 

@@ -1,4 +1,4 @@
-"""The reference DoSA pipeline (paper Algorithm 1, Theorem 1; SPEC §3–§10).
+"""The reference DoSA pipeline (paper Algorithm 1, Theorem 1; DESIGN §3–§10).
 
 Per tile of queries:
 

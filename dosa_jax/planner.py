@@ -1,7 +1,7 @@
 """Query-side planning: from (q, w, seed sample) to a :class:`ScreeningPlan`.
 
 For each query: activation frequencies p_h on the seed sample, the retained
-heads R for a budget r (SPEC §4), positive projection and folded weights
+heads R for a budget r (DESIGN §4), positive projection and folded weights
 (Eq. 4–6), the residual allowance (Eq. 6/7/A.1), the negative aggregate with
 its support (Eq. 8), the certificate form (Eq. 9 or 24–25) and the numerical
 enclosure coefficients (App. C). With ``retained_heads="auto"`` the budget is
@@ -150,7 +150,7 @@ def estimated_details(q, w, p, retained, config, gram):
 
 
 def retained_mask(q, w, p, r, config):
-    """R for budget r (SPEC §4) from head norms and activation frequencies."""
+    """R for budget r (DESIGN §4) from head norms and activation frequencies."""
     qn = jnp.sqrt(jnp.sum(q * q, axis=-1))
     return heads.retained_heads(w, qn, p, r, config.negative_ranking)
 

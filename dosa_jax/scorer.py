@@ -2,7 +2,7 @@
 
     s_i = α_i · Σ_h w_h · relu(q_h · k̄_i)
 
-Exactness (SPEC §12) needs *one* scoring routine with a fixed accumulation
+Exactness (DESIGN §12) needs *one* scoring routine with a fixed accumulation
 order used by the seeds, the refinement and the dense path alike. Every score
 in the reference backend is therefore produced by :func:`score_gathered` on a
 block of ``[Tq, B]`` (query, key) pairs whose keys were gathered by index:

@@ -1,4 +1,4 @@
-"""Seed sets and the seed threshold (paper Eq. 2; SPEC §3).
+"""Seed sets and the seed threshold (paper Eq. 2; DESIGN §3).
 
 A seed set S holds at least K *distinct visible* keys; scored with the
 original scorer, its K-th largest score τ satisfies τ ≤ τ* (S already holds K

@@ -6,7 +6,7 @@ arrive in ascending key-id order (the scans walk keys, or sorted survivor
 lists, upward) and are *appended* at ``count + cumsum(accept) − 1``: no atomics,
 so the output is deterministic and the kernels run in interpret mode on CPU.
 
-Online threshold (the "LiteTopK" filter; paper Sec. 3, SPEC §10): when some
+Online threshold (the "LiteTopK" filter; paper Sec. 3, DESIGN §10): when some
 buffer could not take another tile (``count > C − BK``), the program finds,
 per query with at least K records, a threshold ``t`` with K ≤ #{key ≥ t} ≤
 K + slack (:func:`rank_threshold`: a binary search over int32 order keys,

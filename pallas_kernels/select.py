@@ -1,7 +1,6 @@
 """Exact Top-K of float32 score rows faster than ``lax.top_k`` (Pallas Triton), and its twin.
 
-``lax.top_k`` sorts (17.5 ms for [256, 1M] rows at k = 2048 on the H200,
-SPEC §13). This is a *threshold select* over int32 order keys
+``lax.top_k`` sorts every row (DESIGN §13). This is a *threshold select* over int32 order keys
 (:func:`dosa_jax.selection.order_key`; NaN never selected):
 
 1. **guess** — a strided sample of each row (≤ 16384 columns) gives a
@@ -18,7 +17,7 @@ SPEC §13). This is a *threshold select* over int32 order keys
    index asc), indices mapped back.
 
 The whole row is read once from device memory (twice for a failed guess).
-Backend: Triton (``cumsum`` + masked stores at computed positions; SPEC §13).
+Backend: Triton (``cumsum`` + masked stores at computed positions; DESIGN §13).
 """
 
 from __future__ import annotations

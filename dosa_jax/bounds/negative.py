@@ -1,4 +1,4 @@
-"""Omitted negative heads: the negative aggregate (paper Eq. 8; SPEC §6).
+"""Omitted negative heads: the negative aggregate (paper Eq. 8; DESIGN §6).
 
 For any support A ⊆ N (omitted negative heads) and a_A = Σ_{h∈A} |w_h| q_h,
 
