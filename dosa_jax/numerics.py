@@ -24,8 +24,6 @@ U32 = 2.0 ** -24
 #: Bound on the absolute error of one float32 operation whose result underflows
 #: (flush-to-zero: anything below 2^-126 may become 0).
 ETA32 = 2.0 ** -126
-#: Smallest positive normal float32.
-TINY32 = 2.0 ** -126
 #: The absolute allowance added by the upward helpers: normal, so never flushed.
 TINY = 2.0 ** -125
 

@@ -70,13 +70,6 @@ def seed_ids(layout: SeedLayout, padded: int):
     return jnp.where(valid, ids, -1), valid
 
 
-def strided_mask(layout: SeedLayout, padded: int):
-    """Slots holding strided seeds (an unbiased sample of the range) [T, padded]."""
-    j = jnp.arange(padded, dtype=jnp.int32)[None, :]
-    a, b, c = (x[:, None] for x in (layout.sinks, layout.local, layout.strided))
-    return (j >= a + b) & (j < a + b + c)
-
-
 def is_seed(ids, layout: SeedLayout):
     """Whether key ``ids`` [T, B] is one of the query's seeds (O(1) per key)."""
     lo, hi = layout.lo[:, None], layout.hi[:, None]

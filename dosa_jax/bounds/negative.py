@@ -52,15 +52,6 @@ def negative_aggregate(q, w, support):
     return a, err
 
 
-def negative_lower_bound(head_dots, w, support):
-    """L_N(k) = relu(Σ_{h∈A} |w_h| (q_h·k)) from per-head dot products (Eq. 8).
-
-    Uses a_A·k = Σ_A |w_h| x_h (exact linearity), for analysis on sampled keys.
-    """
-    c = jnp.where(support, jnp.abs(w), 0.0)
-    return jnp.maximum(jnp.sum(head_dots * c, axis=-1), 0.0)
-
-
 def split_aggregate_fp8(a):
     """Two FP8 rows and a residual: a = σ0 v̄0 + σ1 v̄1 + e_A (App. C, Eq. 22–23).
 
