@@ -328,3 +328,24 @@ def test_inside_shard_map_over_queries(backend):
     out = subprocess.run([sys.executable, "-c", _SHARD_SCRIPT, backend], capture_output=True,
                          text=True, cwd=root, env=env, timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+import chex  # noqa: E402
+from absl.testing import parameterized  # noqa: E402
+
+
+class TopKVariantsTest(chex.TestCase):
+    """topk == dense_topk jitted and un-jitted (chex variants), over budgets (parameterized)."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(("fixed_budget", 2), ("automatic_budget", "auto"))
+    def test_topk_equals_dense(self, retained):
+        x = synthetic.structured(T=4, N=200, H=4, D=16, seed=3)
+        cfg = CFG.replace(retained_heads=retained)
+        got = self.variant(lambda q, k, w: tuple(dosa_jax.topk(q, k, w, config=cfg)[:2]))(
+            x.q, x.k, x.w)
+        want = dosa_jax.dense_topk(x.q, x.k, x.w, config=cfg)
+        chex.assert_shape(got[0], (4, 8))
+        chex.assert_type(got, (jnp.int32, jnp.float32))
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want.indices))
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want.scores))
