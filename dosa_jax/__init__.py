@@ -4,15 +4,39 @@
     res = dosa_jax.topk(q, k, w, top_k=2048)           # DoSA
     ref = dosa_jax.dense_topk(q, k, w, top_k=2048)     # full scoring, same indices
     jax.jit(dosa_jax.topk)(q, k, w, config=dosa_jax.Config(top_k=2048))
+
+Submodules (``dosa_jax.datasets``, ``dosa_jax.diagnostics``, ``dosa_jax.lm``, …)
+are attributes of the package, imported on first access: ``import dosa_jax``
+loads neither the language model nor the Pallas kernels.
 """
 
-from dosa_jax.api import TopKResult, dense_topk, exact_topk, score, topk
+import importlib
+
+from dosa_jax.api import dense_topk, exact_topk, score, topk
 from dosa_jax.config import Config
 from dosa_jax.inputs import IndexerInputs, causal_ranges
-from dosa_jax.pipeline import Stats
+from dosa_jax.results import Stats, TopKResult
 
 __all__ = [
     "Config", "IndexerInputs", "Stats", "TopKResult", "causal_ranges", "dense_topk",
     "exact_topk", "score", "topk",
 ]
 __version__ = "0.1.0"
+
+#: Public submodules, imported on first attribute access (PEP 562).
+SUBMODULES = (
+    "agreement", "api", "autodiff", "backend", "bounds", "budget", "config", "datasets",
+    "dense", "diagnostics", "enclosure", "inputs", "keys", "lm", "numerics", "pipeline",
+    "plan", "planner", "results", "sample", "scorer", "screen", "seeds", "selection",
+    "slack", "synthetic", "tiling", "witnesses",
+)
+
+
+def __getattr__(name):
+    if name in SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(SUBMODULES))

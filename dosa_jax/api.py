@@ -1,32 +1,82 @@
-"""Public API (SPEC §12): ``topk``, ``dense_topk``, ``score``, ``exact_topk``.
+"""Public API (DESIGN §12): ``topk``, ``dense_topk``, ``score``, ``exact_topk``.
 
-Backends are chosen by name in one place (:func:`resolve_backend`):
-``"reference"`` is the pure-jnp pipeline; ``"pallas"`` runs the Pallas kernels
-(``pallas_kernels``; interpret mode without a GPU); ``"auto"`` picks pallas on
-a GPU and the reference elsewhere.
+Every call is answered by an implementation from one table,
+:data:`IMPLEMENTATIONS`: ``"reference"`` is the pure-jnp pipeline,
+``"pallas"`` the Pallas kernels (``pallas_kernels``, imported on first use;
+interpret mode without a GPU). ``Config.backend`` names one, or ``"auto"``
+(:mod:`dosa_jax.backend`): pallas on a GPU, falling back to the reference when
+pallas cannot answer (``NotImplementedError``), the reference elsewhere. Both
+implementations take the same arguments and return the same indices.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
-from dosa_jax.config import Config
-from dosa_jax.dense import anchor_hint, dense_topk_reference, score_matrix
-from dosa_jax.inputs import check_inputs
-from dosa_jax.pipeline import dosa_topk_reference
 from dosa_jax import selection
+from dosa_jax.backend import BACKENDS, candidates, resolve_backend
+from dosa_jax.config import Config
+from dosa_jax.dense import dense_topk_reference
+from dosa_jax.inputs import check_hint, check_inputs
+from dosa_jax.pipeline import dosa_topk_reference
+from dosa_jax.results import Stats, TopKResult
+from dosa_jax.scorer import score_matrix
+
+__all__ = ["IMPLEMENTATIONS", "Implementation", "Stats", "TopKResult", "dense_topk",
+           "exact_topk", "implementation", "resolve_backend", "score", "topk"]
 
 
-class TopKResult(NamedTuple):
-    """indices int32 [T, K] (score desc, index asc; −1 pads), scores float32 [T, K]
-    (the original scorer's values; −inf pads), stats (per-query, see ``Stats``)."""
+class Implementation(NamedTuple):
+    """One backend's functions, all on validated inputs.
 
-    indices: jax.Array
-    scores: jax.Array
-    stats: object
+    topk(q, k, w, k_scale, lo, hi, config, *, hint=None) -> (indices, scores, Stats);
+    dense_topk(q, k, w, k_scale, lo, hi, config) -> (indices, scores);
+    exact_topk(scores, k, valid=None) -> (indices, scores).
+    """
+
+    topk: Callable
+    dense_topk: Callable
+    exact_topk: Callable
+
+
+def _reference() -> Implementation:
+    return Implementation(dosa_topk_reference, dense_topk_reference, selection.exact_topk)
+
+
+def _pallas() -> Implementation:
+    try:
+        import pallas_kernels.pipeline as pipeline  # the one lazy edge to the kernels
+        import pallas_kernels.select as select
+    except ImportError as e:  # pragma: no cover - exercised only without the package
+        raise NotImplementedError(f"backend='pallas' needs pallas_kernels: {e}") from e
+    return Implementation(pipeline.dosa_topk, pipeline.dense_topk, select.exact_topk)
+
+
+#: Backend name -> loader of its :class:`Implementation` (loaded on first use).
+IMPLEMENTATIONS = {"reference": _reference, "pallas": _pallas}
+
+
+def implementation(name: str) -> Implementation:
+    """The :class:`Implementation` registered as ``name`` (``"reference"`` or ``"pallas"``)."""
+    if name not in IMPLEMENTATIONS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    return IMPLEMENTATIONS[name]()
+
+
+def _dispatch(backend: str, op: str, *args, **kwargs):
+    """Call ``op`` of the first implementation for ``backend`` that can answer; raise
+    NotImplementedError with every implementation's reason when none can."""
+    reasons = []
+    for name in candidates(backend):
+        try:
+            return getattr(implementation(name), op)(*args, **kwargs)
+        except NotImplementedError as e:
+            reasons.append(f"{name}: {e}")
+    raise NotImplementedError(f"no implementation of {op} for backend={backend!r}: "
+                              + "; ".join(reasons))
 
 
 def _config_with_top_k(config: Optional[Config], top_k) -> Config:
@@ -48,22 +98,6 @@ def _config_with_top_k(config: Optional[Config], top_k) -> Config:
     return config
 
 
-def resolve_backend(config: Config) -> str:
-    """``"reference"`` or ``"pallas"`` for this config on this machine."""
-    if config.backend == "auto":
-        # jax 0.10 names the CUDA backend "gpu", later versions may say "cuda"
-        return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm") else "reference"
-    return config.backend
-
-
-def _pallas():
-    try:
-        import pallas_kernels.pipeline as pk  # noqa: WPS433
-    except ImportError as e:  # pragma: no cover - exercised only without the package
-        raise NotImplementedError(f"backend='pallas' needs pallas_kernels: {e}") from e
-    return pk
-
-
 def topk(q, k, w, top_k=None, k_scale=None, lo=None, hi=None, config: Optional[Config] = None,
          hint=None) -> TopKResult:
     """Exact indexer Top-K with DoSA screening.
@@ -75,30 +109,21 @@ def topk(q, k, w, top_k=None, k_scale=None, lo=None, hi=None, config: Optional[C
       top_k: static K (overrides ``config.top_k``); under ``jax.jit`` put K in the config.
       k_scale: [N] float32 per-key scale α_i (scores are α_i · Σ_h w_h relu(q_h·k̄_i)).
       lo, hi: [T] int32 visible range [lo_t, hi_t) (default: all keys); clipped to [0, N].
-      config: :class:`Config` (static).
+      config: :class:`Config` (static). An explicit budget (``retained_heads``,
+        ``budget_candidates``) outside [1, H−1] raises ValueError.
       hint: optional [T, M] int32 key ids used as extra witnesses for τ after
         rescoring for the current query (e.g. the previous decode step's or a
-        neighbouring query's selection; SPEC §3, §11). Any ids are safe: invisible
+        neighbouring query's selection; DESIGN §3, §11). Any ids are safe: invisible
         ids and duplicates are ignored; hints never change the answer, only pruning.
     Returns:
       TopKResult. ``indices`` equal ``dense_topk(...).indices`` bitwise.
     """
     config = _config_with_top_k(config, top_k)
     q, k, w, k_scale, lo, hi = check_inputs(q, k, w, k_scale, lo, hi)
-    if hint is not None:
-        if not hasattr(hint, "shape") or hint.ndim != 2 or hint.shape[0] != q.shape[0]:
-            raise ValueError(f"hint must have shape [T, M] with T={q.shape[0]}, got "
-                             f"{getattr(hint, 'shape', type(hint).__name__)}")
-        if not jnp.issubdtype(hint.dtype, jnp.integer):
-            raise TypeError(f"hint must be an integer array, got {hint.dtype}")
-    if resolve_backend(config) == "pallas":
-        idx, sc, stats = _pallas().dosa_topk(q, k, w, k_scale, lo, hi, config, hint=hint)
-    else:
-        anchors = anchor_hint(q, k, w, k_scale, lo, hi, config)
-        if anchors is not None:
-            hint = anchors if hint is None else jnp.concatenate(
-                [anchors, hint.astype(jnp.int32)], axis=1)
-        idx, sc, stats = dosa_topk_reference(q, k, w, k_scale, lo, hi, config, hint)
+    config.budgets(q.shape[1])   # explicit budgets must fit H (raises, naming the field)
+    hint = check_hint(hint, q.shape[0])
+    idx, sc, stats = _dispatch(config.backend, "topk", q, k, w, k_scale, lo, hi, config,
+                                hint=hint)
     return TopKResult(idx, sc, stats)
 
 
@@ -110,10 +135,7 @@ def dense_topk(q, k, w, top_k=None, k_scale=None, lo=None, hi=None,
     """
     config = _config_with_top_k(config, top_k)
     q, k, w, k_scale, lo, hi = check_inputs(q, k, w, k_scale, lo, hi)
-    if resolve_backend(config) == "pallas":
-        idx, sc = _pallas().dense_topk(q, k, w, k_scale, lo, hi, config)
-    else:
-        idx, sc = dense_topk_reference(q, k, w, k_scale, lo, hi, config)
+    idx, sc = _dispatch(config.backend, "dense_topk", q, k, w, k_scale, lo, hi, config)
     return TopKResult(idx, sc, {"visible": hi - lo})
 
 
@@ -135,11 +157,6 @@ def exact_topk(scores, k: int, *, valid=None, backend: str = "auto"):
     select kernel, ``pallas_kernels.select``; interpret mode without a GPU) or
     ``"auto"`` (pallas on a GPU). Both return identical results.
     """
-    if backend not in ("reference", "pallas", "auto"):
+    if backend not in BACKENDS:
         raise ValueError(f"backend must be 'reference', 'pallas' or 'auto', got {backend!r}")
-    if backend == "auto":
-        backend = "pallas" if jax.default_backend() == "gpu" else "reference"
-    if backend == "pallas":
-        from pallas_kernels import select as pallas_select
-        return pallas_select.exact_topk(scores, k, valid=valid)
-    return selection.exact_topk(scores, k, valid=valid)
+    return _dispatch(backend, "exact_topk", scores, k, valid=valid)

@@ -5,7 +5,7 @@ usage line works with a plain ``jax.jit``::
 
     jax.jit(dosa_jax.topk)(q, k, w, config=dosa_jax.Config(top_k=2048))
 
-(SPEC §12). Every field is a Python scalar, string or tuple.
+(DESIGN §12). Every field is a Python scalar, string or tuple.
 """
 
 from __future__ import annotations
@@ -15,35 +15,35 @@ from typing import Optional, Union
 
 import jax
 
+from dosa_jax.backend import BACKENDS
 from dosa_jax.bounds.heads import RANKINGS
 from dosa_jax.bounds.negative import SUPPORTS
 from dosa_jax.bounds.positive import RESIDUALS
 
 SEED_STRATEGIES = ("union", "local", "sinks", "strided")
-BACKENDS = ("reference", "pallas", "auto")
 CERTIFICATE_FORMS = ("basic", "absolute")
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """DoSA configuration (SPEC §3–§10, §12).
+    """DoSA configuration (DESIGN §3–§10, §12).
 
     Attributes:
       top_k: K, the number of keys to select.
-      retained_heads: budget r (1 ≤ r < H) or ``"auto"`` (per query, from the
+      retained_heads: budget r (1 ≤ r ≤ H − 1; ``topk`` raises otherwise) or ``"auto"`` (per query, from the
         cost model Eq. 18–21 on the seed sample, among ``budget_candidates``).
-      budget_candidates: candidate budgets for ``"auto"`` (clipped to [1, H−1]);
-        empty means ``(H/8, 2H/8, …, 6H/8)`` (trained indexers can have more than
+      budget_candidates: candidate budgets for ``"auto"`` (each in [1, H−1]);
+        empty means ``(H/8, 2H/8, …, 6H/8)`` clipped to [1, H−1] (trained indexers can have more than
         half of their heads positive; omitted positive heads cost a residual).
       seed_strategy: ``union`` (sinks + local window + strided), ``local``,
-        ``sinks`` or ``strided`` (SPEC §3).
+        ``sinks`` or ``strided`` (DESIGN §3).
       seed_size: number of seed keys S (≥ top_k); None → 2·top_k.
       sink_size: sinks in the ``union`` strategy.
       local_fraction: share of the ``union`` seeds taken from the local window
         (0.75: with S = 2K the local window alone holds ≥ K keys).
       survivor_cost: κ, the weight of the survival fraction in the ``"auto"`` budget's
         cost (r + d_a)/H + κ·m (Eq. 21 has κ = 1: dot products counted); None → the
-        backend's measured value (reference 1; pallas
+        backend's value (reference 1; pallas
         ``pallas_kernels.pipeline.SURVIVOR_COST``, whose budget is also shared by each
         screening program's queries).
       budget_sample: strided keys per query scored for the ``"auto"`` budget's
@@ -54,7 +54,7 @@ class Config:
       anchor_stride: if > 0 (and T ≥ 4·anchor_stride), every ``anchor_stride``-th
         query (an *anchor*: queries 0, s, 2s, …) is answered first by a dense scan,
         and its exact Top-K ids join the witnesses for τ of the following
-        ``anchor_stride`` queries (SPEC §3: a neighbouring query's selection,
+        ``anchor_stride`` queries (DESIGN §3: a neighbouring query's selection,
         rescored for the current query). Neighbouring queries share most winners,
         so τ rises towards τ*; any ids are safe (distinct visible keys only count).
       positive_residual: ``triangle`` (Eq. 6), ``joint`` (Eq. 7), ``grouped``
@@ -74,7 +74,8 @@ class Config:
         numerical enclosure (2^-24: float32).
       raise_threshold: after each merge of exact scores, raise τ to the current
         K-th best (a valid lower bound on τ*; prunes more in later rounds).
-      backend: ``reference`` (pure jnp), ``pallas`` or ``auto`` (pallas on GPU).
+      backend: ``reference`` (pure jnp), ``pallas`` or ``auto`` (the default: pallas on a
+        GPU, the reference elsewhere; :mod:`dosa_jax.backend`).
     """
 
     top_k: int = 2048
@@ -101,7 +102,7 @@ class Config:
     scorer_unit_roundoff: float = 2.0 ** -24
     screen_unit_roundoff: float = 2.0 ** -24
     raise_threshold: bool = True
-    backend: str = "reference"
+    backend: str = "auto"
 
     def anchors(self, T: int) -> int:
         """Anchor stride in effect for T queries (0: no anchors)."""
@@ -170,13 +171,32 @@ class Config:
         return max(self.top_k, self.seed_size if self.seed_size is not None else 2 * self.top_k)
 
     def budgets(self, H: int) -> tuple:
-        """Candidate budgets in [1, H−1] (static)."""
+        """Candidate budgets for H heads (static), each in [1, H−1].
+
+        An explicit ``retained_heads`` or ``budget_candidates`` entry outside [1, H−1]
+        raises ValueError (it cannot be met: a budget of H or more omits no head). With
+        H = 1 no head can be omitted: the only budget is r = 1, every head retained, so
+        the certificate is the score's own numerical enclosure (Eq. 26 with E = 0) —
+        exact, but screening then costs as many dot products as scoring (Eq. 21).
+        """
+        top = max(H - 1, 1)
+        r = self.retained_heads
+        if isinstance(r, int):
+            if not 1 <= r <= top:
+                raise ValueError(
+                    f"Config.retained_heads={r} is outside [1, H-1] = [1, {H - 1}] for H={H} "
+                    "heads" + (" (with H=1 the only budget is 1)" if H == 1 else ""))
+            return (r,)
+        if self.budget_candidates:
+            bad = [c for c in self.budget_candidates if not 1 <= c <= top]
+            if bad:
+                raise ValueError(
+                    f"Config.budget_candidates {bad} outside [1, H-1] = [1, {H - 1}] for H={H} "
+                    "heads" + (" (with H=1 the only budget is 1)" if H == 1 else ""))
+            return tuple(sorted(set(self.budget_candidates)))
         if H < 2:
             return (1,)
-        if isinstance(self.retained_heads, int):
-            return (min(max(self.retained_heads, 1), H - 1),)
-        cands = self.budget_candidates or tuple((i * H) // 8 for i in range(1, 7))
-        return tuple(sorted({min(max(int(c), 1), H - 1) for c in cands}))
+        return tuple(sorted({min(max((i * H) // 8, 1), H - 1) for i in range(1, 7)}))
 
 
 jax.tree_util.register_pytree_node(Config, lambda c: ((), c), lambda c, _: c)

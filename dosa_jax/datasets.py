@@ -5,7 +5,7 @@
   indexers distilled from the layers' attention as in DeepSeek-V3.2) on
   held-out text. By default it reads the committed fixture (4096 keys, the
   last 64 positions as queries); with ``length=`` it regenerates from the
-  committed weights (seconds for 1M tokens on an H200; small lengths are
+  committed weights (a GPU for long contexts; small lengths are
   fine on a CPU); with ``dump_dir=`` it reads dumps written by
   ``python -m dosa_jax.lm.dump --out``.
 * :func:`synthetic` — the named generators of :mod:`dosa_jax.synthetic`.

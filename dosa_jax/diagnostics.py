@@ -16,8 +16,16 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
+from dosa_jax import seeds as seeds_mod
 from dosa_jax.bounds.certificate import certificate
+from dosa_jax.config import Config
+from dosa_jax.inputs import check_inputs
+from dosa_jax.pipeline import plan_tile, prepare_keys
+from dosa_jax.scorer import score_ids, to_f32
+from dosa_jax.screen import screening_bound
+from dosa_jax.tiling import map_query_tiles
 
 
 class SlackTerms(NamedTuple):
@@ -90,22 +98,14 @@ class ScreeningCounts(NamedTuple):
 
 
 def screening_counts(q, k, w, k_scale=None, lo=None, hi=None, config=None) -> ScreeningCounts:
-    """How much pruning the numerical enclosure costs (issue 3's measurement).
+    """How much pruning the numerical enclosure costs (App. C's allowance against the
+    real-number certificate).
 
     For every query, at its seed threshold τ (no raising), counts the screened keys
     that survive the numeric certificate U^num, the real-number certificate
     (same plan, E but no C, ε or upward rounding — *not* safe, for comparison
     only) and the exact score. Runs the reference planner exactly as the pipeline.
     """
-    from jax import lax
-
-    from dosa_jax import seeds as seeds_mod
-    from dosa_jax.config import Config
-    from dosa_jax.inputs import check_inputs
-    from dosa_jax.pipeline import map_query_tiles, plan_tile, prepare_keys
-    from dosa_jax.scorer import score_ids, to_f32
-    from dosa_jax.screen import screening_bound
-
     config = config or Config()
     q, k, w, k_scale, lo, hi = check_inputs(q, k, w, k_scale, lo, hi)
     keys = prepare_keys(k, k_scale, config.key_block)
@@ -140,7 +140,7 @@ def screening_counts(q, k, w, k_scale=None, lo=None, hi=None, config=None) -> Sc
             return (acc[0] + cnt(jnp.ones_like(vis)), acc[1] + cnt(~(u_num < t)),
                     acc[2] + cnt(~(u_real < t)), acc[3] + cnt(~(s < t)))
 
-        z0 = jnp.zeros((Tq,), jnp.int32)
+        z0 = jnp.zeros_like(lot)
         out = lax.fori_loop(0, nb, body, (z0, z0, z0, z0))
         return ScreeningCounts(*out, tau=tp.tau)
 

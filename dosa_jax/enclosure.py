@@ -1,4 +1,4 @@
-"""Numerical enclosure of the certificate (paper App. C, Eq. 22–28; SPEC §9).
+"""Numerical enclosure of the certificate (paper App. C, Eq. 22–28; DESIGN §9).
 
 The real-number inequality s_i ≤ U_i is not enough: the scorer and the
 screening both round. What exactness needs is ``s_i^ref ≤ U_i^num`` where

@@ -1,6 +1,6 @@
 """The indexer's inputs: one record type, argument checking and visibility ranges.
 
-SPEC §2 and §12: queries ``q`` [T, H, D], keys ``k`` [N, D] (optionally FP8
+DESIGN §2 and §12: queries ``q`` [T, H, D], keys ``k`` [N, D] (optionally FP8
 payloads with a per-key float32 scale ``k_scale`` [N]), signed head weights
 ``w`` [T, H] and per-query visible ranges ``[lo_t, hi_t)``.
 """
@@ -16,7 +16,7 @@ import numpy as np
 
 Array = jax.Array
 
-#: Input dtypes accepted for queries and keys (SPEC §12).
+#: Input dtypes accepted for queries and keys (DESIGN §12).
 FLOAT_INPUT_DTYPES = (
     jnp.dtype(jnp.float32),
     jnp.dtype(jnp.bfloat16),
@@ -63,7 +63,7 @@ def causal_ranges(num_queries: int, num_keys: int, *, window: Optional[int] = No
     """Visible ranges for causal prefill of the last ``num_queries`` positions.
 
     Query t sits at position ``pos = num_keys - num_queries + t`` and sees keys
-    ``[0, pos + 1)`` (SPEC §2; DeepGEMM's ks/ke). With ``window`` the range is
+    ``[0, pos + 1)`` (DESIGN §2; DeepGEMM's ks/ke). With ``window`` the range is
     ``[max(0, pos + 1 - window), pos + 1)``; ``sinks`` is accepted for symmetry
     with sliding-window attention but a range is contiguous, so it only widens
     ``lo`` to 0 when ``sinks > 0``.
@@ -88,7 +88,7 @@ def causal_ranges(num_queries: int, num_keys: int, *, window: Optional[int] = No
 
 
 def check_inputs(q, k, w, k_scale=None, lo=None, hi=None):
-    """Validate the public arguments (SPEC §12) and return them normalised.
+    """Validate the public arguments (DESIGN §12) and return them normalised.
 
     Raises ValueError/TypeError naming the argument for a wrong rank, shape or
     dtype, and FP8 keys without scales (``top_k`` is checked with the Config).
@@ -155,4 +155,48 @@ def check_inputs(q, k, w, k_scale=None, lo=None, hi=None):
         hi = jnp.clip(jnp.asarray(hi).astype(jnp.int32), 0, N)
         hi = jnp.maximum(hi, lo)  # lo >= hi is an empty range
     w = jnp.asarray(w).astype(jnp.float32)
-    return q, k, w, k_scale, lo, hi
+    return same_varying_axes(q, k, w, k_scale, lo, hi)
+
+
+def same_varying_axes(*xs):
+    """The arrays with one set of varying manual axes (inside ``jax.shard_map``).
+
+    Under ``shard_map`` an array is typed by the mesh axes it varies over; loop carries
+    must keep their type. Casting every input to the union of the inputs' axes (a no-op
+    on values) lets the pipelines start their loop carries from the inputs (``full_like``)
+    whatever a caller shards. Outside ``shard_map`` this returns the arrays unchanged.
+    """
+    typeof = getattr(jax, "typeof", None)
+    if typeof is None:  # pragma: no cover - older jax: no varying-axes types
+        return xs
+    def vma(x):   # jax 0.10+: aval.mat.varying; earlier releases: aval.vma
+        aval = typeof(x)
+        mat = getattr(aval, "mat", None)
+        return frozenset((getattr(mat, "varying", None) if mat is not None
+                          else getattr(aval, "vma", None)) or ())
+
+    union = frozenset().union(*(vma(x) for x in xs if x is not None))
+    if not union:
+        return xs
+
+    def cast(x):
+        missing = tuple(sorted(union - vma(x)))
+        if x is None or not missing:
+            return x
+        if hasattr(jax.lax, "pcast"):
+            return jax.lax.pcast(x, missing, to="varying")
+        return jax.lax.pvary(x, missing)  # pragma: no cover - jax without pcast
+
+    return tuple(None if x is None else cast(x) for x in xs)
+
+
+def check_hint(hint, T: int):
+    """Validate ``hint`` (None or an integer [T, M] array of witness key ids) and return it."""
+    if hint is None:
+        return None
+    if not hasattr(hint, "shape") or hint.ndim != 2 or hint.shape[0] != T:
+        raise ValueError(f"hint must have shape [T, M] with T={T}, got "
+                         f"{getattr(hint, 'shape', type(hint).__name__)}")
+    if not jnp.issubdtype(hint.dtype, jnp.integer):
+        raise TypeError(f"hint must be an integer array, got {hint.dtype}")
+    return hint

@@ -24,8 +24,6 @@ U32 = 2.0 ** -24
 #: Bound on the absolute error of one float32 operation whose result underflows
 #: (flush-to-zero: anything below 2^-126 may become 0).
 ETA32 = 2.0 ** -126
-#: Smallest positive normal float32.
-TINY32 = 2.0 ** -126
 #: The absolute allowance added by the upward helpers: normal, so never flushed.
 TINY = 2.0 ** -125
 
@@ -44,9 +42,9 @@ def rounded_to(x, dtype):
     ``xla_allow_excess_precision`` the GPU compiler may drop the round trip (its
     float-conversion simplification), so under ``jax.jit`` the "rounded" value is ``x`` itself
     and every error term computed from it is zero while the kernels multiply the rounded
-    operands. Found on the H200: the screening bound of the budget-class test lost its
-    aggregate-split remainder under jit (1094 keys with U < s; eager: none). The optimization
-    barrier hides the pair from that simplification; the value is the correctly rounded cast.
+    operands (a screening bound would then lose its aggregate-split remainder under jit and
+    fall below computed scores). The optimization barrier hides the pair from that
+    simplification; the value is the correctly rounded cast.
     """
     return lax.optimization_barrier(jnp.asarray(x).astype(dtype)).astype(jnp.float32)
 

@@ -1,4 +1,4 @@
-"""The reference DoSA pipeline (paper Algorithm 1, Theorem 1; SPEC §3–§10).
+"""The reference DoSA pipeline (paper Algorithm 1, Theorem 1; DESIGN §3–§10).
 
 Per tile of queries:
 
@@ -32,67 +32,37 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dosa_jax import enclosure as enc
 from dosa_jax import seeds as seeds_mod
-from dosa_jax.bounds.heads import activation_frequencies
+from dosa_jax import witnesses
+from dosa_jax.dense import dense_topk_reference
+from dosa_jax.keys import key_summary, scale_fault
 from dosa_jax.planner import build_plan
+from dosa_jax.results import Stats
+from dosa_jax.sample import plan_sample, strided_sample_ids
 from dosa_jax.scorer import score_ids, score_ids_blocked
 from dosa_jax.screen import screening_bound, survives
 from dosa_jax.selection import select_records
-
-
-class Stats(NamedTuple):
-    """Per-query statistics ([T] arrays) returned in ``TopKResult.stats``.
-
-    visible: |Ω|. seeds: seed keys scored. screened: non-seed visible keys
-    (each screened once unless recovered). survivors: keys that passed
-    screening and were fully scored. records: survivors with s ≥ τ. rounds:
-    scan rounds (1 without overflow). overflows: rounds that ended with a full
-    candidate buffer (resolved by exact merging). recoveries: full-domain
-    recoveries after a fault. pruning: whether rejection was enabled at the
-    end. budget: retained heads r. tau_seed: seed threshold τ (−inf when not
-    pruning). tau_final: K-th selected score (τ* when ≥ K eligible keys).
-    """
-
-    visible: jax.Array
-    seeds: jax.Array
-    screened: jax.Array
-    survivors: jax.Array
-    records: jax.Array
-    rounds: jax.Array
-    overflows: jax.Array
-    recoveries: jax.Array
-    pruning: jax.Array
-    budget: jax.Array
-    tau_seed: jax.Array
-    tau_final: jax.Array
+from dosa_jax.tiling import map_query_tiles, round_up_to
 
 
 class KeyData(NamedTuple):
-    """Keys padded to a multiple of the block, with per-key summaries."""
+    """Keys padded to a multiple of the block, with per-key summaries (:mod:`dosa_jax.keys`)."""
 
     k: jax.Array          # [Npad, D] payloads (input dtype)
     scale: object         # [Npad] float32 or None
-    norm_up: jax.Array    # [Npad] n_i ≥ ‖k̄_i‖
-    bad_prefix: jax.Array  # [N + 1] int32 prefix count of invalid scales
-
-
-def round_up_to(x: int, m: int) -> int:
-    return -(-x // m) * m
+    norm_up: jax.Array    # [Npad] n_i ≥ ‖k̄_i‖ (0 on padding, which is never visible)
+    bad_prefix: object    # [N + 1] int32 prefix count of invalid scales, None without scales
 
 
 def prepare_keys(k, k_scale, block: int) -> KeyData:
     """Pad keys to a multiple of ``block`` and compute the key-side summaries once."""
     N = k.shape[0]
     npad = max(round_up_to(N, block), block)
+    summary = key_summary(k, k_scale)
     kp = jnp.pad(k, ((0, npad - N), (0, 0)))
-    norm = enc.key_norm_upper(kp)
-    if k_scale is None:
-        return KeyData(kp, None, norm, jnp.zeros((N + 1,), jnp.int32))
-    sp = jnp.pad(k_scale, (0, npad - N), constant_values=1.0)
-    bad = (~enc.scale_is_valid(k_scale)).astype(jnp.int32)
-    prefix = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(bad, dtype=jnp.int32)])
-    return KeyData(kp, sp, norm, prefix)
+    norm = jnp.pad(summary.norm, (0, npad - N))
+    sp = None if k_scale is None else jnp.pad(k_scale, (0, npad - N), constant_values=1.0)
+    return KeyData(kp, sp, norm, summary.bad_prefix)
 
 
 def capacity(config, N: int) -> int:
@@ -125,31 +95,19 @@ def plan_tile(q, w, lo, hi, keys: KeyData, config, hint=None) -> TilePlan:
     """
     B = config.key_block
     S_pad = round_up_to(config.seeds(), B)
-    npad = keys.k.shape[0]
     layout = seeds_mod.seed_layout(lo, hi, config.seed_strategy, config.seeds(),
                                    config.sink_size, config.local_fraction)
     sid, svalid = seeds_mod.seed_ids(layout, S_pad)
     s_scores = score_ids_blocked(q, w, keys.k, keys.scale, sid, B)
     tau0 = seeds_mod.seed_threshold(s_scores, svalid, config.top_k)
-    # Seeds are a biased sample (local and sink keys score high and share activation
-    # patterns): p_h (head choice, majority support) and the automatic budget's survival
-    # estimate use a strided sample of the visible range, scored in full (small). This
-    # holds for a fixed budget too: p_h from the local window chose worse supports
-    # (benchmarks/results/2026-11-29_cpu_slack_analysis.md).
-    e_lay = seeds_mod.seed_layout(lo, hi, "strided", config.budget_sample, 0, 0.0)
-    e_ids, sample = seeds_mod.seed_ids(e_lay, round_up_to(config.budget_sample, B))
+    # the planner's strided sample (dosa_jax.sample), scored in full by the canonical scorer
+    e_ids, e_valid = strided_sample_ids(lo, hi, config.budget_sample,
+                                        round_up_to(config.budget_sample, B))
     _, e_dots = score_ids_blocked(q, w, keys.k, keys.scale, e_ids, B, return_head_dots=True)
-    sample = jnp.where(jnp.any(sample, axis=1, keepdims=True), sample, e_ids >= 0)
-    p = jax.vmap(activation_frequencies)(e_dots, sample)
-    s_norm = jnp.take(keys.norm_up, jnp.clip(e_ids, 0, npad - 1))
-    s_dots = e_dots
-    if keys.scale is not None:  # the head dots are on payloads: U in score units is α·U(k̄)
-        s_alpha = jnp.take(keys.scale, jnp.clip(e_ids, 0, npad - 1))
-        s_dots = s_dots * s_alpha[..., None]
-        s_norm = s_norm * s_alpha
-        sample = sample & enc.scale_is_valid(s_alpha)
-    plan, details, budget = build_plan(q.astype(jnp.float32), w, p, config, sample_dots=s_dots,
-                                       sample_norms=s_norm, sample_valid=sample, tau=tau0,
+    smp = plan_sample(e_dots, e_ids, e_valid, keys.norm_up, keys.scale)
+    plan, details, budget = build_plan(q.astype(jnp.float32), w, smp.activation, config,
+                                       sample_dots=smp.dots, sample_norms=smp.norms,
+                                       sample_valid=smp.valid, tau=tau0,
                                        survivor_weight=config.survivor_cost or 1.0)
     witnesses = [] if hint is None else [hint.astype(jnp.int32)]
     if config.guided_witnesses:
@@ -199,13 +157,13 @@ def dosa_tile(q, w, lo, hi, keys: KeyData, config, N: int, hint=None):
         tp.layout, tp.seed_ids, tp.seed_valid, tp.seed_scores, tp.tau, tp.plan, tp.budget)
     n_vis = hi - lo
     n_seed = jnp.sum(svalid, axis=1).astype(jnp.int32)
-    bad_scale = (keys.bad_prefix[hi] - keys.bad_prefix[lo]) > 0
+    bad_scale = scale_fault(keys.bad_prefix, lo, hi)
     prune0 = plan.prune & ~bad_scale
     tau_init = jnp.where(prune0, tau0, -jnp.inf)
     seed_idx, seed_sc = select_records(s_scores, sid, K, valid=svalid)
     rows = jnp.arange(Tq)[:, None]
     screen_block = tile_screen(plan, budget, config, H)
-    zeros = jnp.zeros((Tq,), jnp.int32)
+    zeros = jnp.zeros_like(lo)   # carries start from the inputs (shard_map's varying axes)
 
     def scan_round(resume, tau, prune):
         active = resume < SENT
@@ -236,8 +194,8 @@ def dosa_tile(q, w, lo, hi, keys: KeyData, config, N: int, hint=None):
             cnt = cnt + jnp.sum(store, axis=1).astype(jnp.int32)
             return b + 1, buf, cnt, over, fault
 
-        init = (start, jnp.full((Tq, cap), -1, jnp.int32), zeros,
-                jnp.full((Tq,), SENT, jnp.int32), jnp.zeros((Tq,), bool))
+        init = (start, jnp.full_like(lo, -1, shape=(Tq, cap)), zeros,
+                jnp.full_like(lo, SENT), jnp.zeros_like(lo, dtype=bool))
         _, buf, cnt, over, fault = lax.while_loop(cond, body, init)
         return buf, cnt, over, fault
 
@@ -249,7 +207,7 @@ def dosa_tile(q, w, lo, hi, keys: KeyData, config, N: int, hint=None):
             s = score_ids(q, w, keys.k, keys.scale, ids)
             return lax.dynamic_update_slice_in_dim(rec, s, c * B, axis=1)
 
-        rec = lax.fori_loop(0, n_chunks, body, jnp.full((Tq, cap), -jnp.inf, jnp.float32))
+        rec = lax.fori_loop(0, n_chunks, body, jnp.full_like(tau, -jnp.inf, shape=(Tq, cap)))
         keep = (buf >= 0) & ~(rec < tau[:, None])
         return rec, keep
 
@@ -325,25 +283,15 @@ def tile_screen(plan, budget, config, H: int):
     return lambda kb, nb, ab: lax.switch(branch, fns, kb, nb, ab)
 
 
-def map_query_tiles(fn, q, w, lo, hi, tile: int, *extra):
-    """Apply ``fn(q, w, lo, hi, *extra)`` over query tiles of size ``tile`` (padding with
-    empty queries); ``extra`` are further per-query arrays (leading axis T)."""
-    T = q.shape[0]
-    tq = max(1, min(tile, T))
-    tpad = round_up_to(T, tq)
-    pad = lambda x, v=0: jnp.pad(x, ((0, tpad - T),) + ((0, 0),) * (x.ndim - 1), constant_values=v)
-    if tpad != T:
-        q, w, lo, hi = pad(q), pad(w), pad(lo), pad(hi)
-        extra = tuple(pad(x, -1) for x in extra)
-    nt = tpad // tq
-    split = lambda x: x.reshape((nt, tq) + x.shape[1:])
-    args = (split(q), split(w), split(lo), split(hi)) + tuple(split(x) for x in extra)
-    out = lax.map(lambda a: fn(*a), args)
-    return jax.tree_util.tree_map(lambda x: x.reshape((tpad,) + x.shape[2:])[:T], out)
+def dosa_topk_reference(q, k, w, k_scale, lo, hi, config, *, hint=None):
+    """Reference (pure jnp) DoSA Top-K over validated inputs: (indices, scores, Stats).
 
-
-def dosa_topk_reference(q, k, w, k_scale, lo, hi, config, hint=None):
-    """Reference (pure jnp) DoSA Top-K over validated inputs."""
+    ``hint`` [T, M] are the caller's witness ids; with ``config.anchor_stride`` the anchor
+    queries are answered first by :func:`dosa_jax.dense.dense_topk_reference` and their
+    Top-K ids join the witnesses (:mod:`dosa_jax.witnesses`).
+    """
+    anchors = witnesses.anchor_topk(dense_topk_reference, q, k, w, k_scale, lo, hi, config)
+    hint = witnesses.per_query_witnesses(anchors, config.anchors(q.shape[0]), q.shape[0], hint)
     keys = prepare_keys(k, k_scale, config.key_block)
     N = k.shape[0]
     if hint is None:

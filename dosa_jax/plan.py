@@ -3,7 +3,7 @@
 Data flows one way (STYLE.md): inputs -> plan (this module: query side) ->
 screen -> refine -> select. A plan holds, for each query t, the rows and
 weights of the certificate (Eq. 9) in the one shape that serves every
-scoring stage (SPEC §13):
+scoring stage (DESIGN §13):
 
     y_r = rows[t, r] · k̄_i                      (retained heads, r < R)
     z   = Σ_a aggregate[t, a] · k̄_i             (negative aggregate rows, Eq. 8;

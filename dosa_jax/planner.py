@@ -1,7 +1,7 @@
 """Query-side planning: from (q, w, seed sample) to a :class:`ScreeningPlan`.
 
 For each query: activation frequencies p_h on the seed sample, the retained
-heads R for a budget r (SPEC §4), positive projection and folded weights
+heads R for a budget r (DESIGN §4), positive projection and folded weights
 (Eq. 4–6), the residual allowance (Eq. 6/7/A.1), the negative aggregate with
 its support (Eq. 8), the certificate form (Eq. 9 or 24–25) and the numerical
 enclosure coefficients (App. C). With ``retained_heads="auto"`` the budget is
@@ -18,6 +18,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from dosa_jax import budget as budget_mod
 from dosa_jax import enclosure as enc
 from dosa_jax import numerics as nm
 from dosa_jax.bounds import allowance_estimate, heads, negative, positive
@@ -149,7 +150,7 @@ def estimated_details(q, w, p, retained, config, gram):
 
 
 def retained_mask(q, w, p, r, config):
-    """R for budget r (SPEC §4) from head norms and activation frequencies."""
+    """R for budget r (DESIGN §4) from head norms and activation frequencies."""
     qn = jnp.sqrt(jnp.sum(q * q, axis=-1))
     return heads.retained_heads(w, qn, p, r, config.negative_ranking)
 
@@ -165,8 +166,8 @@ def build_plan(q, w, p, config, *, sample_dots=None, sample_norms=None, sample_v
     estimated against τ, and the budget minimising (r + d_a)/H + κ·m chosen
     (Eq. 21 with κ = ``survivor_weight``; 1 counts dot products as the paper does).
     The candidates' allowances E are real-number estimates from the query's head Grams
-    (:func:`estimated_details`; on the H200 the certified allowances of every candidate
-    were most of the planner's time); only the chosen budget's plan is built, certified.
+    (:func:`estimated_details`; certifying every candidate's allowance would dominate the
+    planner's cost); only the chosen budget's plan is built, certified.
 
     ``program_queries`` > 1: one budget for each block of that many consecutive queries
     (a screening program, which pays for the largest budget among its queries anyway),
@@ -176,8 +177,6 @@ def build_plan(q, w, p, config, *, sample_dots=None, sample_norms=None, sample_v
     Returns:
       (ScreeningPlan [T, ...], PlanDetails [T, ...], chosen budget [T] int32).
     """
-    from dosa_jax import budget as budget_mod  # local: budget imports this module
-
     H = q.shape[1]
     budgets = config.budgets(H)
     R = max(budgets)

@@ -2,7 +2,7 @@
 
     s_i = α_i · Σ_h w_h · relu(q_h · k̄_i)
 
-Exactness (SPEC §12) needs *one* scoring routine with a fixed accumulation
+Exactness (DESIGN §12) needs *one* scoring routine with a fixed accumulation
 order used by the seeds, the refinement and the dense path alike. Every score
 in the reference backend is therefore produced by :func:`score_gathered` on a
 block of ``[Tq, B]`` (query, key) pairs whose keys were gathered by index:
@@ -17,7 +17,7 @@ block of ``[Tq, B]`` (query, key) pairs whose keys were gathered by index:
 * ``-0.0`` is canonicalised to ``+0.0`` so that equal scores compare equal in
   the tie order.
 
-``score`` is the public full-matrix scorer (for notebooks and tests).
+:func:`score_matrix` is the full-matrix scorer behind the public ``score``.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from dosa_jax.tiling import map_query_tiles, round_up_to
 
 Array = jax.Array
 HIGHEST = lax.Precision.HIGHEST
@@ -35,9 +37,9 @@ def to_f32(x: Array) -> Array:
 
     The optimization barrier stops XLA from folding the convert into the dot:
     on Hopper, XLA's GEMM rewriter turns ``dot(convert(fp8), convert(fp8))`` into
-    a cuBLASLt FP8 GEMM whose accumulation is not float32 — the H200 enclosure
-    check found s_ref above U^num for FP8 queries before this barrier existed.
-    The scorer's arithmetic is float32 accumulation by definition (SPEC §9).
+    a cuBLASLt FP8 GEMM whose accumulation is not float32, which would put computed
+    scores above U^num for FP8 queries. The scorer's arithmetic is float32
+    accumulation by definition (DESIGN §9).
     """
     if jnp.dtype(x.dtype) == jnp.dtype(jnp.float32):
         return x
@@ -135,3 +137,31 @@ def score_ids_blocked(q, w, k, k_scale, ids, block: int, *, return_head_dots=Fal
         return (s.transpose(1, 0, 2).reshape(Tq, M),
                 x.transpose(1, 0, 2, 3).reshape(Tq, M, x.shape[-1]))
     return out.transpose(1, 0, 2).reshape(Tq, M)
+
+
+def full_scores_tile(q, w, k, k_scale, block: int):
+    """[Tq, Npad] canonical scores of every key for one query tile (blocks of ``block``
+    keys gathered by id, the refinement's shape)."""
+    Tq = q.shape[0]
+    N = k.shape[0]
+    npad = max(round_up_to(N, block), block)
+    nb = npad // block
+    ids = jnp.arange(npad, dtype=jnp.int32).reshape(nb, block)
+
+    def one(idb):
+        return score_ids(q, w, k, k_scale, jnp.broadcast_to(idb[None, :], (Tq, block)))
+
+    s = lax.map(one, ids)  # [nb, Tq, block]
+    return s.transpose(1, 0, 2).reshape(Tq, npad)
+
+
+def score_matrix(q, k, w, k_scale, lo, hi, block: int, tile: int):
+    """[T, N] canonical scores (validated inputs); keys outside [lo, hi) are −inf."""
+    N = k.shape[0]
+
+    def one(qt, wt, lot, hit):
+        s = full_scores_tile(qt, wt, k, k_scale, block)[:, :N]
+        ids = jnp.arange(N, dtype=jnp.int32)[None, :]
+        return jnp.where((ids >= lot[:, None]) & (ids < hit[:, None]), s, -jnp.inf)
+
+    return map_query_tiles(one, q, w, lo, hi, tile)

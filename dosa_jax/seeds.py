@@ -1,4 +1,4 @@
-"""Seed sets and the seed threshold (paper Eq. 2; SPEC §3).
+"""Seed sets and the seed threshold (paper Eq. 2; DESIGN §3).
 
 A seed set S holds at least K *distinct visible* keys; scored with the
 original scorer, its K-th largest score τ satisfies τ ≤ τ* (S already holds K
@@ -68,13 +68,6 @@ def seed_ids(layout: SeedLayout, padded: int):
                     jnp.where(j < a + b, hi - b + (j - a), lo + a + (j - a - b) * st))
     valid = j < a + b + c
     return jnp.where(valid, ids, -1), valid
-
-
-def strided_mask(layout: SeedLayout, padded: int):
-    """Slots holding strided seeds (an unbiased sample of the range) [T, padded]."""
-    j = jnp.arange(padded, dtype=jnp.int32)[None, :]
-    a, b, c = (x[:, None] for x in (layout.sinks, layout.local, layout.strided))
-    return (j >= a + b) & (j < a + b + c)
 
 
 def is_seed(ids, layout: SeedLayout):

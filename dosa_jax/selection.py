@@ -1,4 +1,4 @@
-"""Exact Top-K selection with the contract's tie order (SPEC §10, Theorem 1).
+"""Exact Top-K selection with the contract's tie order (DESIGN §10, Theorem 1).
 
 Order: score descending, then key index ascending. Policy for non-finite
 scores (identical on every path): ``+inf`` ranks highest and ``-inf`` lowest

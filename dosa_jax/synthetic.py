@@ -1,4 +1,4 @@
-"""Synthetic indexer inputs with named, documented parameters (SPEC §15).
+"""Synthetic indexer inputs with named, documented parameters (DESIGN §15).
 
 Two families:
 

@@ -8,6 +8,7 @@ coefficient), ``pipeline`` (DoSA composed from them; ``backend="pallas"``).
 
 Entry points: ``pipeline.dosa_topk`` and ``pipeline.dense_topk`` (called by
 ``dosa_jax.topk`` / ``dosa_jax.dense_topk`` with ``Config(backend="pallas")``)
-and ``select.exact_topk`` (exact Top-K of score rows, faster than
-``lax.top_k`` on the H200).
+and ``select.exact_topk`` (exact Top-K of score rows by a threshold select instead of
+``lax.top_k``'s sort). Operand preparation and record buffers are in ``operands``, the
+static tile configuration in ``tiles``.
 """

@@ -1,16 +1,13 @@
-"""Shared pieces of the Pallas kernels: backend choice, MMA operands, tile sizes.
+"""Shared pieces of the Pallas kernels: MMA operands, packed list entries, tile ranges.
 
 Every kernel in this package is a Pallas **Triton** kernel
-(``jax.experimental.pallas.triton.CompilerParams``), chosen from measurement:
-the DoSA stages need forward ``cumsum`` (survivor compaction), masked stores
-at computed positions and gathers by integer arrays (refinement), which
-Triton lowers on the H200 and Mosaic GPU does not (SPEC §13, measured by the
-team); Triton's tiles do reach the Hopper tensor cores — compiled for sm_90
-(Triton 3.6), the dense, screen, refine and seed kernels issue ``wgmma``
-with ``cp.async``-pipelined key loads (checked in their TTGIR/PTX). Mosaic GPU
-(wgmma + TMA + warp specialisation) remains the route to a faster dense
-epilogue; it would need the compaction done outside the kernel. On a machine
-without a GPU the same kernels run with ``interpret=True`` (CI).
+(``jax.experimental.pallas.triton.CompilerParams``): the DoSA stages need
+forward ``cumsum`` (survivor compaction), masked stores at computed positions
+and gathers by integer arrays (refinement), which Triton lowers and Mosaic GPU
+does not (DESIGN §13). Compiled for sm_90, Triton's tiles reach the Hopper
+tensor cores (``wgmma`` with ``cp.async``-pipelined key loads). On a machine
+without a GPU the same kernels run with ``interpret=True`` (CI); whether a GPU
+is present is decided in one place, :func:`dosa_jax.backend.on_gpu`.
 
 MMA operands (``mma_pieces``): the tensor cores multiply bf16 tiles with
 float32 accumulation. float8_e4m3fn and bfloat16 values are exact in bf16, so
@@ -22,22 +19,20 @@ is part of the kernels' error coefficient (:mod:`pallas_kernels.numerics`).
 FP8 operands are widened to bf16 *once, before the kernels* (``widen_fp8``,
 the default; exact, so the scores are the same): an fp8 key tile cannot be an
 MMA operand of a bf16 ``wgmma`` as it is, and converting it inside the kernel
-made Triton (sm_90) read the tile from shared memory two bytes at a time
-(``LDS.U16`` + ``F2FP`` unpacks into registers, 8-byte ``cp.async``) on the
-critical path of every key tile; widened bf16 tiles are fed to ``wgmma``
-straight from shared memory (16-byte ``cp.async``, no register pass). The
-price is a bf16 copy of the keys (2 bytes per element instead of 1).
+puts a register pass (narrow shared-memory loads and unpacks) on the critical
+path of every key tile; widened bf16 tiles are fed to ``wgmma`` straight from
+shared memory. The price is a bf16 copy of the keys (2 bytes per element
+instead of 1).
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from dosa_jax.backend import on_gpu
 from dosa_jax.numerics import rounded_to
 from dosa_jax.selection import INT32_MIN
 
@@ -56,14 +51,6 @@ BF16 = jnp.dtype(jnp.bfloat16)
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 
 
-def on_gpu() -> bool:
-    """Whether the default device is a CUDA/ROCm GPU (jax 0.10 says "gpu", 0.11 may say "cuda")."""
-    try:
-        return jax.devices()[0].platform in ("gpu", "cuda", "rocm")
-    except RuntimeError:  # pragma: no cover
-        return False
-
-
 def interpret_default() -> bool:
     """Run kernels in interpret mode unless the default device is a GPU."""
     return not on_gpu()
@@ -77,10 +64,6 @@ def compiler_params(num_warps: int = 4, num_stages: int = 2):
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
-
-
-def round_up(x: int, m: int) -> int:
-    return -(-int(x) // m) * m
 
 
 def cdiv(a, b):
@@ -195,12 +178,6 @@ def kernel_order_key(s: Array) -> Array:
     bits = lax.bitcast_convert_type(s, jnp.int32)
     key = jnp.where(bits >= 0, bits, bits ^ jnp.int32(0x7FFFFFFF))
     return jnp.where(s != s, jnp.int32(INT32_MIN), key)
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_once(msg: str):  # pragma: no cover - diagnostics only
-    import warnings
-    warnings.warn(msg)
 
 
 def group_range(lo, hi):

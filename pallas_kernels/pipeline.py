@@ -21,7 +21,7 @@ recovery): no candidate is ever lost. A group with a query that cannot prune
 :data:`DIRECT_SURVIVAL` skips the screen and goes to that dense scan at once
 (counted as a recovery); so can a group whose sample predicts a survivor list
 fuller than :data:`DIRECT_LIST_USE` of its capacity (:func:`predicted_list_use`;
-off by default, measured no faster).
+off by default).
 
 The planner's sample (activation frequencies, budget) is a strided sample of
 each query's visible range scored in float32 and scaled by α_i, as in the
@@ -36,32 +36,32 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dosa_jax import enclosure as enc
 from dosa_jax import numerics as nm
-from dosa_jax import seeds as seeds_mod
-from dosa_jax.bounds.heads import activation_frequencies
+from dosa_jax import witnesses as witnesses_mod
 from dosa_jax.budget import estimated_survival, sample_survivors
-from dosa_jax.pipeline import Stats
+from dosa_jax.keys import key_summary, scale_fault
 from dosa_jax.planner import build_plan
+from dosa_jax.results import Stats
+from dosa_jax.sample import plan_sample, strided_sample_ids
 from dosa_jax.selection import INT32_MIN, key_to_score
+from dosa_jax.tiling import round_up_to
 from pallas_kernels import dense as dense_mod
 from pallas_kernels import numerics as knum
 from pallas_kernels import records as rec
-from pallas_kernels.common import MAX_KEYS, THETA_NONE, group_ranges, next_pow2, round_up
-from pallas_kernels.dense import Tiles, prepare_key_operands, prepare_operands
+from pallas_kernels.common import MAX_KEYS, THETA_NONE, group_ranges, next_pow2
+from pallas_kernels.operands import Candidates, capacity_for, prepare_key_operands, prepare_operands
 from pallas_kernels.refine import refine
 from pallas_kernels.screen import (Survivors, aggregate_column_count, aggregate_columns,
                                    can_pack, compact_masks, prepare_screen, screen_masks,
                                    screen_queries_per_program, screen_rows)
 from pallas_kernels.seeds import group_seed_lists, group_witnesses, seed_threshold
+from pallas_kernels.tiles import Tiles, check_tiles
 
 #: Survivor-list budget (entries, int32) over all groups and splits: 1 GiB.
 SURVIVOR_BUDGET = 1 << 28
 #: κ of the automatic budget's cost (r + d_a)/H + κ·m on this backend
 #: (:func:`dosa_jax.planner.build_plan`; ``Config.survivor_cost`` overrides it).
 SURVIVOR_COST = 1.0
-#: Keys per query sampled for the planner (activation frequencies, budget choice).
-PLAN_SAMPLE = 128
 
 
 def _check_size(N: int):
@@ -77,11 +77,11 @@ def survivor_capacity(N: int, T: int, splits: int, K: int, capacity=None) -> int
     a dense scan (counted), so the capacity decides speed, never the answer.
     """
     if capacity is not None:
-        return round_up(max(capacity, 16), 16)
+        return round_up_to(max(capacity, 16), 16)
     span = -(-N // splits)
     groups = max(1, -(-T // 4))
     cap = min(max(span // 2, 2 * K), SURVIVOR_BUDGET // (groups * splits))
-    return round_up(max(cap, 256), 16)
+    return round_up_to(max(cap, 256), 16)
 
 
 def wave_size(T: int, N: int) -> int:
@@ -94,7 +94,7 @@ def wave_size(T: int, N: int) -> int:
     per_query = max(1, -(-N // 8))              # int32 entries per query at N/2 per group of 4
     w = max(256, SURVIVOR_BUDGET // per_query)
     w = 1 << (w.bit_length() - 1)               # a power of two (whole groups and tiles)
-    return int(min(w, round_up(T, 4)))
+    return int(min(w, round_up_to(T, 4)))
 
 
 def seed_sizes(config):
@@ -128,10 +128,8 @@ DIRECT_SURVIVAL = 0.5
 
 #: A group whose predicted survivor count (:func:`predicted_list_use`) exceeds this share of
 #: its list capacity (all splits) is scanned densely from θ₀ = τ at once instead of screened.
-#: Off (+inf) by default: on the H200 (session 11, T=16K) 0.8 sent 3 groups straight to dense
-#: at N=128K (where 2 had overflowed; DoSA 66.3 -> 66.0 ms) and one at 256K that would not
-#: have overflowed (its rescan, one program per group over all keys, took recovery and
-#: selection from 2 to 7.3 ms). A rescan costs that latency however a group gets there.
+#: Off (+inf) by default: the prediction also sends groups that would not have overflowed to
+#: a rescan (one program per group over all keys), whose latency outweighs the overflows saved.
 DIRECT_LIST_USE = float("inf")
 
 
@@ -169,24 +167,19 @@ PLAN_SAMPLE_CHUNK = 2048
 _BF16_EXACT = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn))
 
 
-def _plan_sample(q, k, k_scale, knorm, lo, hi, config, mma: bool = True):
-    """Head dots of a strided sample of each query's visible range (XLA, float32), for the
-    planner: activation frequencies p_h and the automatic budget's survival estimate.
+def plan_sample_dots(q, k, lo, hi, config, mma: bool = True):
+    """Payload head dots of the planner's strided sample (:mod:`dosa_jax.sample`), by XLA.
 
-    The same sample as the reference pipeline (``dosa_jax.pipeline``): the seeds are a
-    biased sample (mostly the local window), which chose worse supports and budgets.
     ``mma`` (``Tiles.plan_sample_mma``) with bf16/FP8 queries and keys: one bf16 dot with
-    float32 accumulation per chunk (exact products) instead of float32 HIGHEST dots of
-    256-query chunks (session 12 on the H200: 64 dots and gathers, about 3.8 ms per call at
-    T = 16K). The ids are in range (clipped), so the gathers need no bounds select. The dots
-    only steer the plan (which heads, which budget); no bound uses them.
-    Returns (payload dots [T, P, H] for p_h, dots and norms in score units (× α_i),
-    validity [T, P]).
+    float32 accumulation per chunk of :data:`PLAN_SAMPLE_CHUNK` queries (exact products)
+    instead of float32 HIGHEST dots of 256-query chunks. The ids are in range (clipped), so
+    the gathers need no bounds select. The dots only steer the plan (which heads, which
+    budget); no bound uses them.
+    Returns (dots [T, P, H], ids [T, P] clipped into range, valid [T, P]).
     """
     T = q.shape[0]
-    P = round_up(config.budget_sample, 8)
-    lay = seeds_mod.seed_layout(lo, hi, "strided", config.budget_sample, 0, 0.0)
-    ids, valid = seeds_mod.seed_ids(lay, P)
+    P = round_up_to(config.budget_sample, 8)
+    ids, valid = strided_sample_ids(lo, hi, config.budget_sample, P)
     ids = jnp.clip(ids, 0, k.shape[0] - 1)
     mma = mma and jnp.dtype(q.dtype) in _BF16_EXACT and jnp.dtype(k.dtype) in _BF16_EXACT
 
@@ -199,23 +192,16 @@ def _plan_sample(q, k, k_scale, knorm, lo, hi, config, mma: bool = True):
         kk = jnp.take(k, idc, axis=0, mode="clip").astype(jnp.float32)    # [c, P, D]
         return jnp.einsum("thd,tpd->tph", qc.astype(jnp.float32), kk,
                           precision=lax.Precision.HIGHEST)
-    c = min(PLAN_SAMPLE_CHUNK if mma else 256, round_up(T, 8))
-    Tp = round_up(T, c)
+    c = min(PLAN_SAMPLE_CHUNK if mma else 256, round_up_to(T, 8))
+    Tp = round_up_to(T, c)
     qp = jnp.pad(q, ((0, Tp - T), (0, 0), (0, 0)))
     ip = jnp.pad(ids, ((0, Tp - T), (0, 0)))
-    if Tp == c:   # one chunk (a wave at long context): no loop, no stacked copy of its output
+    if Tp == c:   # one chunk: no loop, no stacked copy of its output
         dots = chunk((qp, ip))[:T]
     else:
         dots = lax.map(chunk, (qp.reshape(Tp // c, c, *q.shape[1:]), ip.reshape(Tp // c, c, -1)))
         dots = dots.reshape(Tp, P, q.shape[1])[:T]
-    norms = jnp.take(knorm, ids)
-    s_dots, s_valid = dots, valid
-    if k_scale is not None:   # head dots are on payloads: U in score units is α·U(k̄)
-        alpha = jnp.take(k_scale.astype(jnp.float32), ids)
-        s_dots = dots * alpha[..., None]
-        norms = norms * alpha
-        s_valid = valid & enc.scale_is_valid(alpha)
-    return dots, valid, s_dots, norms, s_valid
+    return dots, ids, valid
 
 
 def screen_friendly_budget(r: int, A: int, H: int) -> int:
@@ -224,7 +210,7 @@ def screen_friendly_budget(r: int, A: int, H: int) -> int:
     Rounds r up to ``next_pow2(r + A) − A`` when that does not cross the power of
     two above r (the rows are padded to it anyway: retaining more heads is free),
     down to ``next_pow2(r) − A`` when it would (r = 16, A = 2 would need 32 rows).
-    Correctness holds for any retained set (SPEC §4).
+    Correctness holds for any retained set (DESIGN §4).
     """
     up = next_pow2(r + A)
     r2 = up - A if up == next_pow2(r) else next_pow2(r) - A
@@ -254,17 +240,17 @@ def dosa_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), split
     T = q.shape[0]
     N = k.shape[0]
     _check_size(N)
-    dense_mod.check_tiles(tiles)
+    check_tiles(tiles)
     if config.guided_witnesses:
         raise NotImplementedError("Config.guided_witnesses is implemented by the reference backend "
                                   "only; on backend='pallas' use anchor_stride or hint")
     if tiles.BQ != 4:
         raise ValueError(f"DoSA refines groups of 4 queries: tiles.BQ must be 4, got {tiles.BQ}")
-    Tw = wave_size(T, N) if wave is None else int(min(max(wave, 4), round_up(T, 4)))
+    Tw = wave_size(T, N) if wave is None else int(min(max(wave, 4), round_up_to(T, 4)))
     if Tw % 4:
         raise ValueError(f"wave must be a multiple of 4, got {wave}")
     anchors = anchor_topk(q, k, w, k_scale, lo, hi, config, tiles=tiles, interpret=interpret)
-    wit = group_witnesses(round_up(T, 4), hint, anchors, config.anchors(T))
+    wit = group_witnesses(round_up_to(T, 4), hint, anchors, config.anchors(T))
     keyside = key_side(k, k_scale, tiles)   # once per call, outside the waves' loop
     if Tw >= T or return_details:
         if return_details and Tw < T:
@@ -350,7 +336,7 @@ def screen_by_budget(plan, budget, classes, agg_cols, agg_w, coef, eps, tau, pru
     else:
         # programs: blocks of the largest program size of the classes (sizes are powers of two)
         B = max(bqs.values())
-        Tb = round_up(T, B)
+        Tb = round_up_to(T, B)
         pad = lambda a: jnp.pad(a, (0, Tb - T))
         screening = hi > lo
         qb = jnp.where(screening, budget, classes[0])
@@ -387,42 +373,35 @@ def seed_tau_key(ops, lo, hi, config, *, tiles: Tiles, interpret=None, witnesses
 
 
 def anchor_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, interpret=None):
-    """Exact Top-K ids [A, K] of the anchor queries 0, s, 2s, … (s = ``config.anchors(T)``)
+    """Exact Top-K ids [A, K] of the anchor queries (:func:`dosa_jax.witnesses.anchor_topk`)
     by the dense kernel, or None when anchors are off for T queries.
 
     Each key split spans ≥ 32·K keys: a split's record buffer must take K records before
-    its threshold rises, so splits much shorter than that spent most of the scan in
-    compactions (anchors inside each 2048-query wave at N = 1M took DoSA from 833 to
-    893 ms on the H200 with 64 splits of 16K keys; session 5).
+    its threshold rises, so much shorter splits spend most of the scan in compactions.
     """
     s = config.anchors(q.shape[0])
     if not s:
         return None
-    a = slice(0, None, s)
     A, N = -(-q.shape[0] // s), k.shape[0]
     S = max(1, min(dense_mod.default_splits(A, N, tiles.BQ, tiles.BK),
                    N // (32 * config.top_k)))
-    return dense_mod.dense_topk(q[a], k, w[a], k_scale, lo[a], hi[a], config, tiles=tiles,
-                                splits=S, interpret=interpret)[0]
+    dense = lambda *a: dense_mod.dense_topk(*a, tiles=tiles, splits=S, interpret=interpret)
+    return witnesses_mod.anchor_topk(dense, q, k, w, k_scale, lo, hi, config)
 
 
 class KeySide(NamedTuple):
     """What DoSA computes from the keys alone, once per call (not once per wave)."""
 
     operands: tuple         # prepare_key_operands: (MMA pieces [Pk, N, Dp], scale [N])
-    norm: jax.Array         # [N] n_i ≥ ‖k̄_i‖ (enclosure.key_norm_upper)
+    norm: jax.Array         # [N] n_i ≥ ‖k̄_i‖ (dosa_jax.keys.key_summary)
     bad_prefix: object      # [N + 1] int32 prefix count of invalid scales, None without scales
 
 
 def key_side(k, k_scale, tiles: Tiles) -> "KeySide":
-    """:class:`KeySide` of the keys (widened pieces, norms, invalid-scale prefix counts)."""
-    bad_prefix = None
-    if k_scale is not None:
-        bad = (~enc.scale_is_valid(k_scale)).astype(jnp.int32)
-        bad_prefix = jnp.concatenate([jnp.zeros((1,), jnp.int32),
-                                      jnp.cumsum(bad, dtype=jnp.int32)])
+    """:class:`KeySide` of the keys (widened pieces, and :func:`dosa_jax.keys.key_summary`)."""
+    summary = key_summary(k, k_scale)
     return KeySide(prepare_key_operands(k, k_scale, widen_fp8=tiles.widen_fp8),
-                   enc.key_norm_upper(k), bad_prefix)
+                   summary.norm, summary.bad_prefix)
 
 
 def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interpret,
@@ -459,9 +438,9 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
 
     # 2. plan (query side) + this backend's arithmetic allowance
     knorm = keyside.norm
-    dots, valid, sdots, snorm, svalid = _plan_sample(q, k, k_scale, knorm, lo, hi, config,
-                                                     mma=tiles.plan_sample_mma)
-    p = jax.vmap(activation_frequencies)(dots, valid)
+    sample = plan_sample(*plan_sample_dots(q, k, lo, hi, config, mma=tiles.plan_sample_mma),
+                         knorm, k_scale)
+    p, sdots, snorm, svalid = sample
     # the automatic budget, priced for this backend: one budget per screening program (the
     # kernel pays for its largest one anyway; tiles.shared_budget), survivors weighted by κ
     B = (max(_class_program_queries(config.budgets(H), A, T, tiles).values())
@@ -479,10 +458,7 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
         4.0 * D * agg_cols.shape[1] * nm.ETA32))   # the extra columns' flushed results
     coef = knum.kernel_coefficient(q, w, plan, k.dtype, single_piece=single, aggregate=agg_cols,
                                    aggregate_error=agg_err)
-    if keyside.bad_prefix is None:
-        bad_scale = jnp.zeros((T,), bool)
-    else:
-        bad_scale = (keyside.bad_prefix[hi] - keyside.bad_prefix[lo]) > 0
+    bad_scale = scale_fault(keyside.bad_prefix, lo, hi)
     prune = (plan.prune & have_tau & ~bad_scale & jnp.isfinite(coef) & jnp.isfinite(tau)
              & jnp.isfinite(eps))
     theta_tau = jnp.where(prune, tau_key, THETA_NONE)
@@ -516,7 +492,7 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
 
     # 4. refine survivors: s ≥ τ records, online threshold (record buffers of the recovery's
     # size, also when the refinement tiles are longer than the dense ones)
-    C = dense_mod.capacity_for(K, max(tiles.BK, tiles.refine_bk), tiles.record_slots or None)
+    C = capacity_for(K, max(tiles.BK, tiles.refine_bk), tiles.record_slots or None)
     cand = refine(ops, slists, scount, theta_tau, K, capacity=C, tiles=tiles, interpret=interpret)
     if stop_after == "refine":
         return dict(tau=tau, count=cand.count[:T], key=cand.key[:T])
@@ -532,7 +508,7 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
         d = dense_mod.dense_candidates(ops, rlo, rhi, theta_tau, K, splits=c.count.shape[1],
                                        capacity=C, tiles=tiles, interpret=interpret)
         sel = recover[:, None, None]
-        return dense_mod.Candidates(jnp.where(sel, d.key, c.key), jnp.where(sel, d.ids, c.ids),
+        return Candidates(jnp.where(sel, d.key, c.key), jnp.where(sel, d.ids, c.ids),
                               jnp.where(recover[:, None], d.count, c.count),
                               jnp.where(recover[:, None], d.theta, c.theta),
                               jnp.where(recover[:, None], d.appended, c.appended))
@@ -571,8 +547,7 @@ def dense_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), spli
     seed set (``config``'s seeds, scored by the seed kernel with the same routine) instead of
     −∞. θ₀ is the K-th largest of K real scores of visible keys, so θ₀ ≤ τ* and the answer is
     the same (the threshold accepts keys ≥ θ₀); the scan appends and compacts far less.
-    ``None`` (default): seeded when ``tiles.BQ`` is 4 (the seed lists' group). Measured on
-    the H200 (session 7, T=4096, N=1M, 8192 seeds): 159 -> 135 ms, seeds included; this is
+    ``None`` (default): seeded when ``tiles.BQ`` is 4 (the seed lists' group); this is
     the baseline DoSA is compared against.
     ``return_candidates``: also return the scan's record buffers (``dense.Candidates``).
     """
@@ -583,7 +558,7 @@ def dense_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), spli
         return dense_mod.dense_topk(q, k, w, k_scale, lo, hi, config, tiles=tiles,
                                     splits=splits, interpret=interpret,
                                     return_candidates=return_candidates)
-    dense_mod.check_tiles(tiles)
+    check_tiles(tiles)
     lo = lo.astype(jnp.int32)
     hi = hi.astype(jnp.int32)
     ops = prepare_operands(q, w, k, k_scale, tiles.BQ, layout=tiles.layout,

@@ -6,7 +6,7 @@ arrive in ascending key-id order (the scans walk keys, or sorted survivor
 lists, upward) and are *appended* at ``count + cumsum(accept) − 1``: no atomics,
 so the output is deterministic and the kernels run in interpret mode on CPU.
 
-Online threshold (the "LiteTopK" filter; paper Sec. 3, SPEC §10): when some
+Online threshold (the "LiteTopK" filter; paper Sec. 3, DESIGN §10): when some
 buffer could not take another tile (``count > C − BK``), the program finds,
 per query with at least K records, a threshold ``t`` with K ≤ #{key ≥ t} ≤
 K + slack (:func:`rank_threshold`: a binary search over int32 order keys,
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dosa_jax.selection import INT32_MIN, INT32_MAX, order_key, select_by_position
+from dosa_jax.selection import INT32_MAX, INT32_MIN, key_to_score, order_key, select_by_position
 from pallas_kernels.common import cdiv
 
 Array = jax.Array
@@ -307,7 +307,6 @@ def select_from_records(rec_key: Array, rec_id: Array, count: Array, k: int):
     rec_key, rec_id = rec_key[..., :k], rec_id[..., :k]
     T, S, C = rec_key.shape
     valid = jnp.arange(C, dtype=jnp.int32)[None, None, :] < count[:, :, None]
-    from dosa_jax.selection import key_to_score
     scores = key_to_score(jnp.where(valid, rec_key, INT32_MIN)).reshape(T, S * C)
     pos, sc = select_by_position(scores, k, valid.reshape(T, S * C))
     idx = jnp.where(pos >= 0, jnp.take_along_axis(rec_id.reshape(T, S * C),

@@ -28,12 +28,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dosa_jax.selection import INT32_MIN
+from dosa_jax.selection import INT32_MIN, select_by_position
 from pallas_kernels import records as rec
 from pallas_kernels.common import (THETA_NONE, compiler_params, interpret_default,
                                    kernel_order_key, unpack_entries)
-from pallas_kernels.dense import Candidates, Operands, Tiles, capacity_for
+from pallas_kernels.operands import Candidates, Operands, capacity_for
 from pallas_kernels.scoring import load_query_tile, score_tile
+from pallas_kernels.tiles import REFINE_ORDERS, Tiles
 
 Array = jax.Array
 
@@ -108,14 +109,11 @@ def _refine_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, H: int, S: int, R: int
     app_ref[oidx] = appended
 
 
-#: Launch orders of the refinement programs (``Tiles.refine_order``).
-REFINE_ORDERS = ("auto", "list", "longest", "outliers")
 #: ``"outliers"``: a list longer than this many times the mean list is launched first.
 OUTLIER_FACTOR = 2.0
 #: ``"auto"``: longest first up to this many lists per call (about 4 per resident program
-#: slot of the H200's 132 SMs x 2), list order above. H200, session 11: T=4096, N=1M (512
-#: lists) list order 63.2 ms, longest first 59.5-59.6 ms, outliers first 63.2 ms; T=16K,
-#: N=128K (4096 lists) list order 66.3 ms, longest first 67.9 ms, outliers first 66.1 ms.
+#: slot of a 132-SM GPU with 2 programs per SM), list order above: with many lists the
+#: neighbouring groups' similar keys matter more than the long lists' tail.
 AUTO_LONGEST_LISTS = 1024
 
 
@@ -209,6 +207,5 @@ def refine_reference(scores: Array, member: Array, theta0_scores: Array, K: int)
       scores: [T, N] (twin scorer); member: [T, N] bool (key in the query's list);
       theta0_scores: [T] float32 threshold.
     """
-    from dosa_jax.selection import select_by_position
     ok = member & ~(scores < theta0_scores[:, None]) & ~jnp.isnan(scores)
     return select_by_position(scores, K, ok)

@@ -6,7 +6,7 @@
 and the seed kernel with the same tile shape (``BQ`` queries × H heads rows
 against ``BK`` keys, same operand pieces, same ``num_warps``), so the three
 produce bitwise-identical scores for the same (query, key): DoSA-pallas and
-dense-pallas agree bitwise (SPEC §12). It is one Triton ``dot`` per operand
+dense-pallas agree bitwise (DESIGN §12). It is one Triton ``dot`` per operand
 piece pair (bf16 × bf16 → float32 on the tensor cores, or fp8 × fp8 when asked),
 a ReLU, the head weights, a sum over the H heads of each query, the key scale
 last (as DeepGEMM ``fp8_mqa_logits``) and ``-0.0 → +0.0``.
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import (column_sums, keys_rows_dot, pieces_value, piece_pairs,
+from pallas_kernels.common import (column_sums, keys_rows_dot, piece_pairs,
                                    rows_keys_dot)
 
 Array = jax.Array
@@ -40,10 +40,9 @@ def load_query_tile(q_refs, w_ref, g, *, BQ: int, H: int, layout: str):
     ``layout="hk"`` or ``"kc"``: one [BQ*H, D] block per piece and a [BQ*H] weight vector.
     ``layout="kh"``: per piece a list of BQ [H, D] blocks, and BQ [H] weight vectors.
     The weights come as a zero-argument loader that :func:`score_tile` calls per tile:
-    spread over the MMA accumulator's columns they held about 30 registers per thread for
-    the whole scan (sm_90 ptxas via ``benchmarks.kernel_sass``: seed kernel 140 -> 110; the
-    dense and refinement kernels lost their spills). Reloaded from L1 they cost a few
-    loads per tile; the kernels' H200 times did not change (session 7).
+    spread over the MMA accumulator's columns they would hold registers for the whole scan
+    (and make the dense and refinement kernels spill); reloaded from L1 they cost a few
+    loads per tile.
     """
     if layout in ("hk", "kc"):
         rows = pl.ds(g * BQ * H, BQ * H)
@@ -132,7 +131,3 @@ def score_reference(q_pieces: Array, w: Array, k_pieces: Array, scale=None) -> A
         s = s * scale[None, :]
     return jnp.where(s == 0, 0.0, s)
 
-
-def operand_value(pieces: Array) -> Array:
-    """The float32 operand a kernel actually multiplies (sum of its pieces)."""
-    return pieces_value(pieces)

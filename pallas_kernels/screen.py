@@ -1,13 +1,12 @@
 """Certificate screening (Eq. 9, 26) as Pallas Triton kernels, and their jnp twins.
 
-One shape serves all scoring stages (SPEC §13): per program, ``BQs`` queries'
+One shape serves all scoring stages (DESIGN §13): per program, ``BQs`` queries'
 plan columns (``Rp`` per query: the retained heads with folded weights w̃_j,
 then the negative-aggregate columns, zero columns to a power of two) are
 multiplied against a key tile on the tensor cores — stacked into one
 [BQs·Rp, D] matrix (layout ``"hk"``), one [BK, D]×[D, Rp] dot per query
 (``"kh"``, keys as MMA rows) or one [BK, D]×[D, BQs·Rp] dot for all of them
-(``"kc"``, the default: DoSA at T=16K, N=1M took 927 ms with it against
-1280 ms with ``"kh"`` on the H200, BENCHMARKS.md session 4) — and the bound is
+(``"kc"``, the default and the fastest) — and the bound is
 evaluated per (query, key) with *the scorer's epilogue*:
 
     Û = Σ_c w_c relu(y_c)                      (every column, aggregate ones included)
@@ -20,16 +19,16 @@ negative aggregate (Eq. 8) enters as ReLU columns with weights ±1
 for ``a = hi + lo + e`` (ReLU is 1-Lipschitz), and the absolute form's
 ``−a·k`` (Eq. 25) as ``−relu(x) + relu(−x)`` per piece; so the screen sums one
 kind of term, as the scorer does, instead of a second masked row sum for the
-aggregate (session 9). With bf16 or FP8 queries the rows are one bf16 MMA piece
+aggregate. With bf16 or FP8 queries the rows are one bf16 MMA piece
 (the retained rows are exact; the aggregate is split into hi + lo, or by default
-since session 10 its hi alone, ``hi_only``, so r = 15 heads fit 16 columns; the
+its hi alone, ``hi_only``, so r = 15 heads fit 16 columns; the
 remainder e in ``coef``); float32 queries keep two pieces per row.
 
-``defer`` (the default in :class:`pallas_kernels.dense.Tiles`, ``"kc"`` tiles of at
+``defer`` (the default in :class:`pallas_kernels.tiles.Tiles`, ``"kc"`` tiles of at
 most :data:`DEFER_COLUMNS` columns) software-pipelines the key loop by hand: tile
 j's MMA is issued before tile j − 1's bound is evaluated from the carried
 accumulator, so the wgmma runs during that epilogue (ptxas interleaves the two
-before the wait; the H200 screen took 43.9 instead of 45.9 ms at T=4096, N=1M).
+before the wait).
 
 ``"kc"`` puts each query's columns where one thread holds them
 (:func:`pallas_kernels.common.lane_aligned_order`, ``lane_sums``): a Hopper ``wgmma`` accumulator
@@ -47,9 +46,9 @@ compaction, no atomics). :func:`compact_masks` then turns each group's bytes
 into a survivor list ``id | mask << 27`` at ``count + cumsum − 1``
 (deterministic, ascending ids); its count keeps growing past the list's
 capacity, so an overflowing group is detected (never silently truncated) and
-its queries are recovered exactly. Until session 9 the screen compacted its
-survivors itself, on the critical path of every key tile (a cross-warp scan,
-layout conversions and scattered stores; almost every tile has a survivor).
+its queries are recovered exactly. The compaction is a separate kernel so that
+none of its work (a cross-warp scan, layout conversions, scattered stores) sits
+on the critical path of every key tile (almost every tile has a survivor).
 
 Queries with similar budgets share tiles (paper Sec. 3):
 :func:`pallas_kernels.pipeline.screen_by_budget` runs the screen kernel once
@@ -72,12 +71,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from dosa_jax import numerics as nm
+from dosa_jax.tiling import round_up_to
 from pallas_kernels import records as rec
 from pallas_kernels.common import (GROUP, ID_BITS, column_sums, compiler_params, group_range,
                                    group_ranges,
                                    in_lane_order, interpret_default, keys_rows_dot,
                                    lane_sums_apply, next_pow2,
-                                   pad_axis, piece_pairs, round_up, row_pieces, rows_keys_dot,
+                                   pad_axis, piece_pairs, row_pieces, rows_keys_dot,
                                    split_key_tiles)
 
 Array = jax.Array
@@ -222,7 +222,7 @@ def prepare_screen(rows, row_w, agg_cols, agg_w, coef, eps, tau, prune, Dp: int,
     Rp = screen_rows(R, A, layout)
     BQs = screen_queries_per_program(Rp, T, layout, BQs)
     lane_sums = bool(lane_sums) and layout == "kc" and lane_sums_apply(BQs, Rp)
-    Tpad = round_up(T, BQs)
+    Tpad = round_up_to(T, BQs)
     allr = jnp.concatenate([rows.astype(jnp.float32), agg_cols.astype(jnp.float32)], axis=1)
     allr = pad_axis(pad_axis(pad_axis(allr, 1, Rp), 2, Dp), 0, Tpad)
     rw = pad_axis(pad_axis(jnp.concatenate(
@@ -301,8 +301,8 @@ def _screen_kernel(*refs, Pr: int, Pk: int, BQs: int, Rp: int, BK: int, N: int, 
         rw = [rw_ref[r] for r in qrows]
     else:
         rp = [r_ref[pl.ds(g * BQs * Rp, BQs * Rp), :] for r_ref in r_refs]
-        # held in registers for the scan: reloading them per tile (174 -> 140 registers at
-        # Rp = 16) measured 6 % slower on the H200 (session 7)
+        # held in registers for the scan (reloading them per tile saves registers but was
+        # slower)
         rw = rw_ref[pl.ds(g * BQs * Rp, BQs * Rp)]
     qsl = pl.ds(g * BQs, BQs)
     coef, eps, tau = coef_ref[qsl], eps_ref[qsl], tau_ref[qsl]
@@ -650,12 +650,10 @@ def compact_masks(masks: Array, lo, hi, *, splits: int, capacity: int, chunk: in
 
     Two passes, both parallel over the keys: :func:`chunk_counts` counts every chunk's
     survivors (a kernel reading ``count_chunks`` chunks per program; 0: the XLA reduction
-    :func:`chunk_counts_reference`, 1.65–2.0 ms per call at T=16K, N=1M on the H200) and
-    :func:`chunk_offsets` turns the counts into offsets (a prefix sum over chunks), then the
-    kernel writes each chunk at its offset, ``chunks_per_program`` chunks per program. Until session 12 one program per (group, split) walked its keys chunk after
-    chunk, carrying the count: 13.2 of 234 ms at T=16K, N=1M on the H200, latency-bound; now
-    8.1 ms plus a 1.65 ms count pass (2048-key chunks, two per program: at T=4096, N=1M
-    2.03 ms against 2.05–2.56 ms for 1 × 2048, 4 × 1024, 1 × 4096 and 1 × 8192).
+    :func:`chunk_counts_reference`) and :func:`chunk_offsets` turns the counts into offsets
+    (a prefix sum over chunks), then the kernel writes each chunk at its offset,
+    ``chunks_per_program`` chunks per program. Every chunk is independent, so the pass is
+    not latency-bound as one program per (group, split) carrying its count would be.
 
     ``packed``: masks [G4/2, N] of :func:`screen_masks` with ``pack=True``; a program reads
     each chunk once for both groups of its byte row.
@@ -673,7 +671,7 @@ def compact_masks(masks: Array, lo, hi, *, splits: int, capacity: int, chunk: in
     G4 = masks.shape[0] * (2 if packed else 1)
     lo = pad_axis(lo.astype(jnp.int32), 0, G4 * GROUP)
     hi = pad_axis(hi.astype(jnp.int32), 0, G4 * GROUP)
-    return _compact_call(masks, lo, hi, S=splits, Cs=round_up(capacity, 16), CH=chunk,
+    return _compact_call(masks, lo, hi, S=splits, Cs=round_up_to(capacity, 16), CH=chunk,
                          CPP=int(chunks_per_program), CCPP=int(count_chunks), packed=bool(packed),
                          interpret=interpret)
 

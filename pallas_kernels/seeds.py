@@ -2,7 +2,7 @@
 kernel, and an exact K-th-largest search — each beside its jnp twin.
 
 τ is the K-th largest score over a set of at least K *distinct visible* keys
-(SPEC §3); any such set is safe, its quality only decides pruning.
+(DESIGN §3); any such set is safe, its quality only decides pruning.
 
 1. :func:`group_seed_lists` — one list per refinement group of 4 queries
    (sinks, a strided middle, the local window; ascending distinct ids), each
@@ -21,10 +21,8 @@ kernel, and an exact K-th-largest search — each beside its jnp twin.
    row); ``THETA_NONE`` when fewer than K are eligible (no τ: the query does not
    prune).
 
-Until session 5 the seeds ran through the refinement kernel's record buffers
-with the online threshold (K + 8·BK slots, a 32-pass binary search per
-compaction): most of the 78 ms the H200 spent on seeds at T = 16K
-(BENCHMARKS.md, session 4) went to those compactions.
+The seeds need no record buffers: running them through the refinement kernel's
+buffers with the online threshold would spend most of their time in compactions.
 """
 
 from __future__ import annotations
@@ -38,13 +36,15 @@ from jax.experimental import pallas as pl
 
 from dosa_jax.seeds import distinct_visible
 from dosa_jax.selection import INT32_MIN, order_key
+from dosa_jax.tiling import round_up_to
 from pallas_kernels import records as rec
 from pallas_kernels.common import (ID_BITS, THETA_NONE, cdiv, compiler_params, group_ranges,
                                    interpret_default,
-                                   kernel_order_key, round_up, unpack_entries)
-from pallas_kernels.dense import Operands, Tiles
+                                   kernel_order_key, unpack_entries)
+from pallas_kernels.operands import Operands
 from pallas_kernels.refine import score_list_tile
 from pallas_kernels.scoring import load_query_tile, score_reference
+from pallas_kernels.tiles import Tiles
 
 Array = jax.Array
 
@@ -59,7 +59,7 @@ SPREAD = 64
 def seed_list_length(size: int, block: int, witnesses: int = 0) -> int:
     """Slots L' of a group seed list: the layout of ``size`` seeds (+ :data:`SPREAD`) and
     ``witnesses`` extra ids, each rounded up to whole tiles of ``block`` keys."""
-    return round_up(size + SPREAD, block) + (round_up(witnesses, block) if witnesses else 0)
+    return round_up_to(size + SPREAD, block) + (round_up_to(witnesses, block) if witnesses else 0)
 
 
 def _group_visibility(ids, lo4, hi4, valid):
@@ -146,8 +146,8 @@ def compact_front(values: Array, keep: Array) -> Array:
     """Each row's kept values moved to its front in their order, −1 after them ([G, L] int32).
 
     A prefix sum gives every kept value its slot and one scatter writes it: the same result as
-    a stable sort of the rows by ``~keep`` (session 10's form, a segmented sort of every
-    group's seed list) without sorting.
+    a stable sort of the rows by ``~keep`` (a segmented sort of every group's seed list)
+    without sorting.
     """
     G, L = values.shape
     pos = jnp.cumsum(keep.astype(jnp.int32), axis=1) - 1
@@ -337,9 +337,8 @@ def kth_largest_keys_kernel(keys: Array, k: int, *, interpret=None):
     row in registers, a 32-step bitwise descent (one count over the row per bit, in the
     unsigned order ``key ^ 0x80000000`` compared as signed keys). Same answers, bit for bit.
 
-    The jnp descent (8 passes of 15 counts, each an XLA reduction over the [T, L] keys) took
-    5.2 ms at T = 16K, L = 8192 on the H200 (session 12's profile of the seeded dense scan).
-    Rows wider than :data:`KTH_MAX_ROW` use the jnp descent.
+    The jnp descent needs 8 passes of 15 counts, each an XLA reduction over the [T, L] keys;
+    the kernel reads each row once. Rows wider than :data:`KTH_MAX_ROW` use the jnp descent.
     """
     keys = keys.astype(jnp.int32)
     if (keys.ndim != 2 or keys.shape[-1] > KTH_MAX_ROW or keys.shape[0] == 0

@@ -1,7 +1,6 @@
 """Exact Top-K of float32 score rows faster than ``lax.top_k`` (Pallas Triton), and its twin.
 
-``lax.top_k`` sorts (17.5 ms for [256, 1M] rows at k = 2048 on the H200,
-SPEC §13). This is a *threshold select* over int32 order keys
+``lax.top_k`` sorts every row (DESIGN §13). This is a *threshold select* over int32 order keys
 (:func:`dosa_jax.selection.order_key`; NaN never selected):
 
 1. **guess** — a strided sample of each row (≤ 16384 columns) gives a
@@ -18,7 +17,7 @@ SPEC §13). This is a *threshold select* over int32 order keys
    index asc), indices mapped back.
 
 The whole row is read once from device memory (twice for a failed guess).
-Backend: Triton (``cumsum`` + masked stores at computed positions; SPEC §13).
+Backend: Triton (``cumsum`` + masked stores at computed positions; DESIGN §13).
 """
 
 from __future__ import annotations
@@ -32,9 +31,9 @@ from jax.experimental import pallas as pl
 
 from dosa_jax import selection
 from dosa_jax.selection import INT32_MIN, order_key
+from dosa_jax.tiling import round_up_to
 from pallas_kernels import records as rec
-from pallas_kernels.common import (THETA_NONE, compiler_params, interpret_default, kernel_order_key,
-                                   round_up)
+from pallas_kernels.common import (THETA_NONE, compiler_params, interpret_default, kernel_order_key)
 
 Array = jax.Array
 
@@ -113,7 +112,7 @@ def filter_plan(T: int, M: int, k: int, block: int = 512, splits=None, sample: i
     """Static sizes of the filter pass: tile BK, compaction chunk CH, slots C per
     (row, split) (≥ k + BK: a compaction always frees a tile's room), splits S, sample stride."""
     CH = 512
-    return dict(BK=block, CH=CH, C=round_up(k + block, CH),
+    return dict(BK=block, CH=CH, C=round_up_to(k + block, CH),
                 S=splits or max(1, min(8, 1024 // max(T, 1), M // (block * 64))),
                 stride=max(1, M // sample))
 

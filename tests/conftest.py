@@ -9,20 +9,18 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import numpy as np
 import pytest
 
-#: XLA's persistent compilation cache for the test session (the suite is compile bound):
-#: unset: a fresh directory per session, shared by the pytest-xdist workers and removed at the
-#: end; a path: that directory (kept across sessions); "off": no cache.
+#: XLA's persistent compilation cache for a test run (the suite is compile bound):
+#: unset: a fresh directory per run, shared by the pytest-xdist workers and removed at the
+#: end; a path: that directory (kept across runs); "off": no cache.
 CACHE_ENV = "DOSA_TEST_COMPILATION_CACHE"
 
 
 def _use_compilation_cache(path):
     """Every compiled program goes to ``path`` and is loaded from there when any process of
-    the session compiles the same HLO again: a worker reuses the other worker's programs, and
+    the run compiles the same HLO again: a worker reuses the other worker's programs, and
     programs that trace to identical HLO (the dense path under Configs that differ only in
     DoSA fields, the same kernel reached from two tests) compile once. The key is the HLO
-    and the compile options, so a cached program is the program that would be compiled.
-    Measured with ``-n 2`` (2026-11-30): ~200 of ~3300 compilations loaded instead, ~27 s of
-    compile time saved, a few ms of hashing per compilation."""
+    and the compile options, so a cached program is the program that would be compiled."""
     import jax
 
     jax.config.update("jax_compilation_cache_dir", path)
@@ -48,7 +46,7 @@ def pytest_configure(config):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node):
-    """pytest-xdist (controller): hand the session's cache directory to each worker."""
+    """pytest-xdist (controller): hand the run's cache directory to each worker."""
     node.workerinput["dosa_compilation_cache"] = node.config._dosa_compilation_cache
 
 
@@ -106,7 +104,7 @@ def dense_reference_topk(s64, lo, hi, k):
 
 def assert_matches_f64(idx, s64, band, lo, hi, k):
     """Index sets agree with the float64 Top-k except among keys within the rounding band
-    of the float64 K-th score (SPEC §12)."""
+    of the float64 K-th score (DESIGN §12)."""
     idx = np.asarray(idx)
     ref = dense_reference_topk(s64, lo, hi, k)
     for t in range(idx.shape[0]):

@@ -1,4 +1,4 @@
-"""Adversarial inputs (issue 2): ties, equal scores, zero vectors, one-signed and zero
+"""Adversarial inputs: ties, equal scores, zero vectors, one-signed and zero
 weights, empty ranges, |Ω| < K, capacity far below the survivor count."""
 
 import jax.numpy as jnp

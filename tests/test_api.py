@@ -1,4 +1,4 @@
-"""Public API contract (SPEC §12): arguments, errors, jit/vmap, Config as a static pytree."""
+"""Public API contract (DESIGN §12): arguments, errors, jit/vmap, Config as a static pytree."""
 
 import jax
 import jax.numpy as jnp
@@ -192,3 +192,160 @@ def test_exact_topk_backends_agree(rng):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     with pytest.raises(ValueError, match="backend"):
         dosa_jax.exact_topk(jnp.asarray(s), 9, backend="tpu")
+
+
+# ---- backends, dispatch, budgets, lazy submodules, shard_map ---------------------------------
+
+def test_one_backend_decision(monkeypatch):
+    from dosa_jax import backend
+    assert dosa_jax.Config().backend == "auto"
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert backend.resolve_backend("auto") == "reference" and not backend.on_gpu()
+    for name in ("gpu", "cuda", "rocm"):
+        monkeypatch.setattr(jax, "default_backend", lambda name=name: name)
+        assert backend.on_gpu() and backend.resolve_backend("auto") == "pallas"
+        assert backend.candidates("auto") == ("pallas", "reference")
+    assert backend.resolve_backend("reference") == "reference"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        backend.resolve_backend("tpu")
+    from pallas_kernels import common
+    assert common.on_gpu is backend.on_gpu
+
+
+def test_dispatch_table_falls_back_and_names_every_reason(monkeypatch, inp):
+    from dosa_jax import api, backend
+
+    def unavailable():
+        raise NotImplementedError("kernels unavailable here")
+
+    monkeypatch.setitem(api.IMPLEMENTATIONS, "pallas", unavailable)
+    with pytest.raises(NotImplementedError, match="pallas: kernels unavailable here"):
+        dosa_jax.topk(inp.q, inp.k, inp.w, config=CFG.replace(backend="pallas"))
+    # "auto" on a GPU tries pallas first, then the reference
+    monkeypatch.setattr(backend, "on_gpu", lambda: True)
+    got = dosa_jax.topk(inp.q, inp.k, inp.w, config=CFG.replace(backend="auto"))
+    want = dosa_jax.dense_topk(inp.q, inp.k, inp.w, config=CFG.replace(backend="reference"))
+    np.testing.assert_array_equal(np.asarray(got.indices), np.asarray(want.indices))
+    assert set(api.IMPLEMENTATIONS) == {"reference", "pallas"}
+
+
+@pytest.mark.parametrize("field,value,H", [
+    ("retained_heads", 40, 32), ("retained_heads", 4, 4), ("budget_candidates", (2, 5), 4),
+    ("budget_candidates", (4,), 4),
+])
+def test_budget_outside_the_heads_is_an_error(field, value, H):
+    x = synthetic.gaussian(T=4, N=128, H=H, D=8, seed=0)
+    cfg = CFG.replace(**{"retained_heads": "auto", field: value})
+    with pytest.raises(ValueError, match=f"Config.{field}.*outside \\[1, H-1\\] = \\[1, {H - 1}\\]"):
+        dosa_jax.topk(x.q, x.k, x.w, config=cfg)
+    with pytest.raises(ValueError, match=f"Config.{field}"):
+        jax.jit(dosa_jax.topk)(x.q, x.k, x.w, config=cfg)
+
+
+def test_one_head_retains_it_and_stays_exact():
+    """H = 1: nothing can be omitted; the only budget is r = 1 (the certificate is the
+    score's own enclosure), the answer is the dense one, other budgets are errors."""
+    x = synthetic.gaussian(T=4, N=200, H=1, D=8, seed=5)
+    for cfg in (CFG.replace(retained_heads="auto"), CFG.replace(retained_heads=1)):
+        got = dosa_jax.topk(x.q, x.k, x.w, config=cfg)
+        want = dosa_jax.dense_topk(x.q, x.k, x.w, config=cfg)
+        np.testing.assert_array_equal(np.asarray(got.indices), np.asarray(want.indices))
+        np.testing.assert_array_equal(np.asarray(got.scores), np.asarray(want.scores))
+        assert np.all(np.asarray(got.stats.budget) == 1)
+    with pytest.raises(ValueError, match="only budget is 1"):
+        dosa_jax.topk(x.q, x.k, x.w, config=CFG.replace(retained_heads=2))
+
+
+_LAZY_SCRIPT = r"""
+import importlib.util, sys
+import dosa_jax
+eager = sorted(m for m in sys.modules if m.startswith(("pallas_kernels", "dosa_jax.lm")))
+assert not eager, eager
+for name in dosa_jax.SUBMODULES:
+    if importlib.util.find_spec(f"dosa_jax.{name}") is not None:
+        mod = getattr(dosa_jax, name)
+        assert mod is sys.modules[f"dosa_jax.{name}"], name
+assert "dosa_jax.lm" in sys.modules
+try:
+    dosa_jax.no_such_module
+except AttributeError:
+    pass
+else:
+    raise AssertionError("unknown attribute did not raise")
+print("ok")
+"""
+
+
+def test_submodules_are_lazy_attributes():
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _LAZY_SCRIPT], capture_output=True, text=True,
+                         cwd=str(__import__("pathlib").Path(__file__).resolve().parents[1]),
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+    for name in ("datasets", "diagnostics", "budget", "lm", "slack", "agreement", "autodiff"):
+        assert name in dosa_jax.SUBMODULES
+
+
+_SHARD_SCRIPT = r"""
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import numpy as np, jax, jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+import dosa_jax
+from dosa_jax import synthetic
+shard_map = getattr(jax, "shard_map", None)
+if shard_map is None:
+    from jax.experimental.shard_map import shard_map
+x = synthetic.structured(T=16, N=256, H=4, D=16, seed=2)
+lo, hi = dosa_jax.causal_ranges(16, 256)
+cfg = dosa_jax.Config(top_k=8, key_block=64, query_tile=4, budget_sample=32,
+                      backend=sys.argv[1])
+mesh = Mesh(np.array(jax.devices()[:4]), ("q",))
+for fn in (dosa_jax.topk, dosa_jax.dense_topk):
+    f = lambda q, w, lo, hi: tuple(fn(q, x.k, w, lo=lo, hi=hi, config=cfg)[:2])
+    g = shard_map(f, mesh=mesh, in_specs=(P("q"),) * 4, out_specs=(P("q"), P("q")))
+    got, want = jax.jit(g)(x.q, x.w, lo, hi), f(x.q, x.w, lo, hi)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # default ranges too (created inside the call)
+    f2 = lambda q, w: tuple(fn(q, x.k, w, config=cfg)[:2])
+    g2 = shard_map(f2, mesh=mesh, in_specs=(P("q"),) * 2, out_specs=(P("q"), P("q")))
+    for a, b in zip(g2(x.q, x.w), f2(x.q, x.w)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("backend", ["reference"])
+def test_inside_shard_map_over_queries(backend):
+    """topk / dense_topk inside a user's shard_map over the query axis (default check_vma):
+    bitwise the unsharded call."""
+    import subprocess
+    import sys
+    root = str(__import__("pathlib").Path(__file__).resolve().parents[1])
+    env = dict(__import__("os").environ, PYTHONPATH=root)
+    out = subprocess.run([sys.executable, "-c", _SHARD_SCRIPT, backend], capture_output=True,
+                         text=True, cwd=root, env=env, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+import chex  # noqa: E402
+from absl.testing import parameterized  # noqa: E402
+
+
+class TopKVariantsTest(chex.TestCase):
+    """topk == dense_topk jitted and un-jitted (chex variants), over budgets (parameterized)."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(("fixed_budget", 2), ("automatic_budget", "auto"))
+    def test_topk_equals_dense(self, retained):
+        x = synthetic.structured(T=4, N=200, H=4, D=16, seed=3)
+        cfg = CFG.replace(retained_heads=retained)
+        got = self.variant(lambda q, k, w: tuple(dosa_jax.topk(q, k, w, config=cfg)[:2]))(
+            x.q, x.k, x.w)
+        want = dosa_jax.dense_topk(x.q, x.k, x.w, config=cfg)
+        chex.assert_shape(got[0], (4, 8))
+        chex.assert_type(got, (jnp.int32, jnp.float32))
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want.indices))
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want.scores))

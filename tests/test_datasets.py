@@ -91,9 +91,9 @@ def test_num_queries_takes_the_last_positions_and_query_dtypes():
 def test_generation_on_cpu_reproduces_the_fixture():
     """Regenerating the fixture's rows from the committed weights gives the same data.
 
-    Not bitwise: XLA's CPU code for the LM's forward pass differs between processors (on an
-    AMD EPYC machine, 2026-12-01: 70 % of the bf16 keys bitwise equal to the fixture's, the rest
-    one bf16 step away; q and w within 0.5 % of their largest entry). So values are compared
+    Not bitwise: XLA's CPU code for the LM's forward pass differs between processors (bf16
+    keys may land one bf16 step away, q and w within a fraction of a percent of their largest
+    entry). So values are compared
     relative to their largest entry, and what the library consumes, each query's Top-256 of the
     scores, must be the same keys.
     """

@@ -1,4 +1,4 @@
-"""The numerical enclosure s_ref ≤ U_num (paper App. C; issue 3 item 4), on ≥ 10^7 pairs.
+"""The numerical enclosure s_ref ≤ U_num (paper App. C), on ≥ 10^7 pairs.
 
 s_ref is the canonical scorer's float32 output and U_num the screening's
 numeric bound from the planner's plan, on adversarial FP8 inputs
@@ -76,9 +76,9 @@ def test_rounding_round_trips_survive_jit():
     """The rounded values that error terms are computed from stay rounded under jax.jit.
 
     A bare ``x.astype(bf16).astype(float32)`` inside one jitted program may be simplified to
-    ``x`` by XLA's GPU compiler (excess precision): on the H200 the budget-class end-to-end test
-    then found 1094 keys with U < s (its aggregate remainder and row rounding were computed as
-    zero). The CPU compiler keeps the round trip, so this test guards the GPU runs.
+    ``x`` by XLA's GPU compiler (excess precision): error terms computed from it (an aggregate
+    remainder, a row rounding) would be zero and bounds could fall below computed scores. The
+    CPU compiler keeps the round trip, so this test guards the GPU runs.
     """
     import jax
     import jax.numpy as jnp

@@ -1,5 +1,5 @@
 """Theorem 1 in practice: DoSA indices == dense indices bitwise, and both match a
-float64 NumPy reference except inside the near-tie band (SPEC §12).
+float64 NumPy reference except inside the near-tie band (DESIGN §12).
 
 Each (shape, Config) pair is compiled once and run on many random inputs.
 """

@@ -1,4 +1,4 @@
-"""FP8 keys with scales, and faults that lose nothing (issue 3).
+"""FP8 keys with scales, and faults that lose nothing (App. C guards).
 
 Guard policy (README "Non-finite values"): an invalid scale (≤ 0, NaN, inf) in a
 query's range, a non-finite plan value (NaN/inf in q or w) or a non-finite bound

@@ -410,8 +410,7 @@ def test_anchor_and_hint_witnesses_keep_dosa_equal_to_dense():
     """Anchors (every 4th query answered densely first) and user hints (duplicates, negative,
     out-of-range and invisible ids) only add witnesses: DoSA == dense bitwise, τ is at least
     the layout seeds' τ (twin) and the τ of a query that is its group's anchor is its τ*.
-    (That witnesses lower survival is checked on the reference backend, tests/test_api.py,
-    and measured on the H200.)"""
+    (That witnesses lower survival is checked on the reference backend, tests/test_api.py.)"""
     from pallas_kernels import seeds
     from dosa_jax.selection import key_to_score
     # the bitwise test's inputs and tiles (shared interpret-mode compilations); anchors 0, 2, 4, 6

@@ -1,6 +1,6 @@
 """The certificate's pieces, one idea per module, as pure jnp functions of one query.
 
-* :mod:`.heads`: activation frequencies and the retained-head choice (Sec. 2.2, SPEC §4).
+* :mod:`.heads`: activation frequencies and the retained-head choice (Sec. 2.2, DESIGN §4).
 * :mod:`.positive`: positive projection, folded weights and the residual
   allowances: triangle (Eq. 4–6), joint (Eq. 7), grouped (App. A.1).
 * :mod:`.negative`: negative aggregate with its support rules (Eq. 8).

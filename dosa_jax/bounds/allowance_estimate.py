@@ -4,8 +4,8 @@ The automatic budget (Eq. 18–21) prices every candidate budget by its real-num
 certificate (Eq. 9) on the planner's sample, which needs the residual allowance E
 (triangle Eq. 6, joint Eq. 7, grouped App. A.1) of every candidate's retained set.
 The certified allowances (:mod:`dosa_jax.bounds.positive`'s ``*_upper``: scaled norms,
-inflated sums, each Gram's rounding) of every candidate were most of the planner's time
-on the H200 (about 9 of 15 ms per call at T=16K). Here the candidates get the real-number
+inflated sums, each Gram's rounding) of every candidate would dominate the planner's
+cost, and only the chosen budget needs a bound. Here the candidates get the real-number
 values: the weighted residuals u_h = w_h (q_h − β_h q_{j_h}) are built group-major, one
 batched product forms the group Grams (their sum is the full Gram, Eq. 7), and triangle,
 joint and grouped values follow from the Grams' sums; the query's head Gram q qᵀ (the

@@ -1,4 +1,4 @@
-"""Activation frequencies and retained heads (paper Sec. 2.2; SPEC §4)."""
+"""Activation frequencies and retained heads (paper Sec. 2.2; DESIGN §4)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def negative_priority(w, q_norm, p, ranking: str = "uncertainty"):
 
 
 def retained_heads(w, q_norm, p, r, ranking: str = "uncertainty"):
-    """Retained set R of (at most) r heads (SPEC §4).
+    """Retained set R of (at most) r heads (DESIGN §4).
 
     If |H+| ≤ r keep every positive head and fill the rest with negative heads in
     descending :func:`negative_priority`; else keep the r positive heads with the

@@ -1,4 +1,4 @@
-"""Omitted negative heads: the negative aggregate (paper Eq. 8; SPEC §6).
+"""Omitted negative heads: the negative aggregate (paper Eq. 8; DESIGN §6).
 
 For any support A ⊆ N (omitted negative heads) and a_A = Σ_{h∈A} |w_h| q_h,
 
@@ -43,21 +43,13 @@ def negative_aggregate(q, w, support):
     c = jnp.where(support, jnp.abs(w), 0.0)
     terms = c[:, None] * q
     # fixed order h = 0..H-1 (err below bounds any order of this H-term sum), unrolled: one
-    # fused kernel, not H launches of a loop (32 per wave on the H200, session 13)
-    a = lax.fori_loop(0, H, lambda h, acc: acc + terms[h], jnp.zeros(q.shape[1:], terms.dtype),
+    # fused kernel, not H launches of a loop; the carry starts from the inputs (zeros_like:
+    # the same varying axes under shard_map)
+    a = lax.fori_loop(0, H, lambda h, acc: acc + terms[h], jnp.zeros_like(terms[0]),
                       unroll=True)
     mag = nm.inflate(jnp.sum(c * nm.norm_upper(q)), H)
     err = jnp.float32(nm.gamma(H + 1)) * mag * 1.01 + jnp.float32((H + 1) * q.shape[-1] ** 0.5 * nm.ETA32)
     return a, err
-
-
-def negative_lower_bound(head_dots, w, support):
-    """L_N(k) = relu(Σ_{h∈A} |w_h| (q_h·k)) from per-head dot products (Eq. 8).
-
-    Uses a_A·k = Σ_A |w_h| x_h (exact linearity), for analysis on sampled keys.
-    """
-    c = jnp.where(support, jnp.abs(w), 0.0)
-    return jnp.maximum(jnp.sum(head_dots * c, axis=-1), 0.0)
 
 
 def split_aggregate_fp8(a):
