@@ -187,6 +187,9 @@ def matrix(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
     """DoSA and dense side by side over the cases, with the survival floors and slack split."""
     cols = [("case", "case"), ("N", "N"), ("dosa_ms", "DoSA ms"), ("dense_ms", "dense ms"),
             ("dense_over_dosa", "dense/DoSA"), ("dosa_eq_dense", "bitwise"),
+            ("screened_ms", "DoSA, always screened, ms"),
+            ("dense_over_screened", "dense/screened"), ("predicted_cost", "predicted DoSA/dense"),
+            ("dense_share", "queries answered densely"),
             ("survival", "survival (τ)"), ("tau_over_tau_star", "τ/τ*"),
             ("survival_sub_tau", "sub: survival (τ)"),
             ("survival_sub_tau_star", "sub: survival (τ*)"), ("floor_exact", "floor K/|Ω|"),
@@ -196,13 +199,15 @@ def matrix(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
                 cols, out, meta, summary=matrix_summary, notes=[
                     f"median of {repeats} timed calls after {warmup} warm-up, each case's "
                     "DoSA and dense in the same process",
-                    "survival (τ), τ/τ*: all T queries (DoSA's stats; τ/τ* median where τ* > 0)",
+                    "survival (τ), τ/τ*: all T queries, from the always-screened DoSA's stats (τ/τ* median where τ* > 0); predicted DoSA/dense: the call-level switch's prediction (Config.dense_switch)",
                     f"sub: columns and the slack means (Eq. 14, score units, mean over screened "
                     f"keys) on {p.bound_queries} queries strided over the T (the certificate "
                     "evaluated per key by the reference planner)",
                     "floor K/|Ω|: Σ min(K, |Ω|) / Σ |Ω| over all queries (a bound with U = s)"])
     cfg = config_of(p)
     f_dosa, f_dense = jitted_paths(cfg)
+    # the same DoSA with the call-level dense switch off: what the switch's prediction decides on
+    f_screened, _ = jitted_paths(cfg.replace(dense_switch=float("inf")))
     for N in Ns:
         for case in sorted(cases, key=lambda c: c.H):     # one compile per (H, N)
             t0 = time.perf_counter()
@@ -212,18 +217,24 @@ def matrix(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
                 args = args_of(inp)
                 di, ds, st = f_dosa(*args)
                 ei, es = f_dense(*args)
-                row = dict(case=case.name, N=N, dosa_eq_dense=bitwise_equal(di, ds, ei, es),
-                           **stats_summary(st))
-                del di, ds
+                si, ss, sst = f_screened(*args)
+                row = dict(case=case.name, N=N, dosa_eq_dense=bitwise_equal(di, ds, ei, es)
+                           and bitwise_equal(si, ss, ei, es), **stats_summary(sst),
+                           predicted_cost=float(np.asarray(st.predicted_cost)[0]),
+                           dense_share=float(np.mean(np.asarray(st.dense))))
+                del di, ds, si, ss
                 log(f"[matrix] {case.name} N={N}: checked (compiled) at "
                     f"{time.perf_counter() - t0:.1f}s, DoSA == dense {row['dosa_eq_dense']}")
                 t_dosa = timeit(f_dosa, *args, warmup=warmup, repeats=repeats)
                 t_dense = timeit(f_dense, *args, warmup=warmup, repeats=repeats)
+                t_scr = timeit(f_screened, *args, warmup=warmup, repeats=repeats)
                 row.update(dosa_ms=t_dosa.seconds * 1e3, dense_ms=t_dense.seconds * 1e3,
-                           dense_over_dosa=t_dense.seconds / t_dosa.seconds, clock=t_dosa.clock)
+                           dense_over_dosa=t_dense.seconds / t_dosa.seconds, clock=t_dosa.clock,
+                           screened_ms=t_scr.seconds * 1e3,
+                           dense_over_screened=t_dense.seconds / t_scr.seconds)
                 log(f"[matrix] {case.name} N={N}: timed DoSA {row['dosa_ms']:.1f} ms, dense "
                     f"{row['dense_ms']:.1f} ms")
-                row.update(bound_floor(inp, es, st.tau_seed, cfg, p.K, p.bound_queries))
+                row.update(bound_floor(inp, es, sst.tau_seed, cfg, p.K, p.bound_queries))
                 del ei, es
                 tab.add(row)
                 log(f"[matrix] {case.name} N={N}: done in {time.perf_counter() - t0:.1f}s {row}")
