@@ -52,6 +52,11 @@ class Stats(NamedTuple):
     recoveries after a fault. pruning: whether rejection was enabled at the
     end. budget: retained heads r. tau_seed: seed threshold τ (−inf when not
     pruning). tau_final: K-th selected score (τ* when ≥ K eligible keys).
+    dense: the query was answered by the dense scan from θ₀ = τ because the plan
+    predicted that screening could not pay (its group's sampled survival, or the
+    whole call's predicted cost; ``Config.dense_switch``); exact either way.
+    predicted_cost: the call's predicted ratio of DoSA's time to the dense scan's
+    (the same on every query; NaN where no prediction was made).
     """
 
     visible: jax.Array
@@ -66,6 +71,8 @@ class Stats(NamedTuple):
     budget: jax.Array
     tau_seed: jax.Array
     tau_final: jax.Array
+    dense: jax.Array
+    predicted_cost: jax.Array
 
 
 class KeyData(NamedTuple):
@@ -298,7 +305,9 @@ def dosa_tile(q, w, lo, hi, keys: KeyData, config, N: int, hint=None):
     stats = Stats(visible=n_vis, seeds=n_seed, screened=n_vis - n_seed, survivors=st.survivors,
                   records=st.records, rounds=st.rounds, overflows=st.overflows,
                   recoveries=st.recoveries, pruning=st.prune, budget=budget,
-                  tau_seed=tau_init, tau_final=jnp.where(kth, st.run_sc[:, K - 1], -jnp.inf))
+                  tau_seed=tau_init, tau_final=jnp.where(kth, st.run_sc[:, K - 1], -jnp.inf),
+                  dense=jnp.zeros_like(st.prune),
+                  predicted_cost=jnp.full(n_vis.shape, jnp.nan, jnp.float32))
     return st.run_idx, st.run_sc, stats
 
 
