@@ -31,8 +31,8 @@ run() {   # run NAME TIMEOUT COMMAND...: the command's output to the log and std
 for s in $stages; do
   case $s in
     tests)
-      echo "=== tests: python -m pytest -m gpu -p no:xdist -q tests" | tee -a "$LOG"
-      timeout "${TESTS_TIMEOUT:-300}" python -m pytest -m gpu -p no:xdist -q -p no:cacheprovider \
+      echo "=== tests: python -m pytest -m gpu -o addopts=-q tests" | tee -a "$LOG"
+      timeout "${TESTS_TIMEOUT:-300}" python -m pytest -m gpu -o addopts=-q -p no:cacheprovider \
         tests > "$OUT/tests.txt" 2>&1
       rc=$?
       tail -5 "$OUT/tests.txt" | tee -a "$LOG"

@@ -15,8 +15,9 @@ from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from dosa_jax import selection
+from dosa_jax import autodiff, selection
 from dosa_jax.backend import BACKENDS, candidates, resolve_backend
 from dosa_jax.config import Config
 from dosa_jax.dense import dense_topk_reference
@@ -79,6 +80,20 @@ def _dispatch(backend: str, op: str, *args, **kwargs):
                               + "; ".join(reasons))
 
 
+def _constants(*xs):
+    """The pipeline's inputs under ``lax.stop_gradient``: its enclosure (``nextafter``) and
+    integer selection are never differentiated; :func:`_differentiable` gives the scores
+    their derivative (DESIGN §12)."""
+    return tuple(None if x is None else lax.stop_gradient(x) for x in xs)
+
+
+def _differentiable(q, k, w, k_scale, idx, sc):
+    """(indices, scores) with the scores carrying the scorer's derivative at the selected ids
+    with respect to q, k, w and k_scale (indices are integer constants, as ``lax.top_k``'s)."""
+    idx = lax.stop_gradient(idx)
+    return idx, autodiff.selected_scores(q, k, w, k_scale, idx, sc)
+
+
 def _config_with_top_k(config: Optional[Config], top_k) -> Config:
     if config is None:
         config = Config()
@@ -122,8 +137,11 @@ def topk(q, k, w, top_k=None, k_scale=None, lo=None, hi=None, config: Optional[C
     q, k, w, k_scale, lo, hi = check_inputs(q, k, w, k_scale, lo, hi)
     config.budgets(q.shape[1])   # explicit budgets must fit H (raises, naming the field)
     hint = check_hint(hint, q.shape[0])
-    idx, sc, stats = _dispatch(config.backend, "topk", q, k, w, k_scale, lo, hi, config,
-                                hint=hint)
+    idx, sc, stats = _dispatch(config.backend, "topk", *_constants(q, k, w, k_scale), lo, hi,
+                               config, hint=hint)
+    idx, sc = _differentiable(q, k, w, k_scale, idx, sc)
+    # the K-th selected score is differentiable as the scores are; tau_seed is a constant
+    stats = stats._replace(tau_final=jnp.where(idx[:, -1] >= 0, sc[:, -1], -jnp.inf))
     return TopKResult(idx, sc, stats)
 
 
@@ -135,7 +153,9 @@ def dense_topk(q, k, w, top_k=None, k_scale=None, lo=None, hi=None,
     """
     config = _config_with_top_k(config, top_k)
     q, k, w, k_scale, lo, hi = check_inputs(q, k, w, k_scale, lo, hi)
-    idx, sc = _dispatch(config.backend, "dense_topk", q, k, w, k_scale, lo, hi, config)
+    idx, sc = _dispatch(config.backend, "dense_topk", *_constants(q, k, w, k_scale), lo, hi,
+                        config)
+    idx, sc = _differentiable(q, k, w, k_scale, idx, sc)
     return TopKResult(idx, sc, {"visible": hi - lo})
 
 
@@ -159,4 +179,6 @@ def exact_topk(scores, k: int, *, valid=None, backend: str = "auto"):
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be 'reference', 'pallas' or 'auto', got {backend!r}")
-    return _dispatch(backend, "exact_topk", scores, k, valid=valid)
+    # the values carry the derivative of the selected entries of ``scores`` (as lax.top_k's)
+    select = lambda rows, kk, valid=None: _dispatch(backend, "exact_topk", rows, kk, valid=valid)
+    return autodiff.exact_topk_with_grad(scores, k, valid=valid, select=select)

@@ -76,6 +76,11 @@ class Config:
         K-th best (a valid lower bound on τ*; prunes more in later rounds).
       backend: ``reference`` (pure jnp), ``pallas`` or ``auto`` (the default: pallas on a
         GPU, the reference elsewhere; :mod:`dosa_jax.backend`).
+      dense_switch: on the pallas backend, a call whose predicted ratio of DoSA's time
+        to the dense scan's exceeds this is answered by the dense scan from θ₀ = τ
+        (exact either way; ``Stats.dense``, ``Stats.predicted_cost``). None: the
+        backend's default (``pallas_kernels.pipeline.DENSE_SWITCH``); ``inf``: always
+        screen. The reference backend always screens.
     """
 
     top_k: int = 2048
@@ -103,6 +108,7 @@ class Config:
     screen_unit_roundoff: float = 2.0 ** -24
     raise_threshold: bool = True
     backend: str = "auto"
+    dense_switch: Optional[float] = None
 
     def anchors(self, T: int) -> int:
         """Anchor stride in effect for T queries (0: no anchors)."""
@@ -159,6 +165,10 @@ class Config:
             v = getattr(self, name)
             if not (isinstance(v, float) and 0.0 < v < 2.0 ** -6):
                 bad(name, "must be a float in (0, 2^-6)")
+        ds = self.dense_switch
+        if ds is not None and (isinstance(ds, bool) or not isinstance(ds, (int, float))
+                               or not ds > 0):
+            bad("dense_switch", "must be None or a number > 0 (inf: always screen)")
         if self.backend not in BACKENDS:
             bad("backend", f"must be one of {BACKENDS}")
 

@@ -181,7 +181,7 @@ def same_varying_axes(*xs):
 
     def cast(x):
         missing = tuple(sorted(union - vma(x)))
-        if x is None or not missing:
+        if not missing:
             return x
         if hasattr(jax.lax, "pcast"):
             return jax.lax.pcast(x, missing, to="varying")

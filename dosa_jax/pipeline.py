@@ -256,7 +256,9 @@ def dosa_tile(q, w, lo, hi, keys: KeyData, config, N: int, hint=None):
     stats = Stats(visible=n_vis, seeds=n_seed, screened=n_vis - n_seed, survivors=st.survivors,
                   records=st.records, rounds=st.rounds, overflows=st.overflows,
                   recoveries=st.recoveries, pruning=st.prune, budget=budget,
-                  tau_seed=tau_init, tau_final=jnp.where(kth, st.run_sc[:, K - 1], -jnp.inf))
+                  tau_seed=tau_init, tau_final=jnp.where(kth, st.run_sc[:, K - 1], -jnp.inf),
+                  dense=jnp.zeros_like(st.prune),
+                  predicted_cost=jnp.full(n_vis.shape, jnp.nan, jnp.float32))
     return st.run_idx, st.run_sc, stats
 
 

@@ -18,6 +18,11 @@ class Stats(NamedTuple):
     recoveries after a fault. pruning: whether rejection was enabled at the
     end. budget: retained heads r. tau_seed: seed threshold τ (−inf when not
     pruning). tau_final: K-th selected score (τ* when ≥ K eligible keys).
+    dense: the query was answered by the dense scan from θ₀ = τ because the plan
+    predicted that screening could not pay (its group's sampled survival, or the
+    whole call's predicted cost; ``Config.dense_switch``); exact either way.
+    predicted_cost: the call's predicted ratio of DoSA's time to the dense scan's
+    (the same on every query; NaN where no prediction was made).
     """
 
     visible: jax.Array
@@ -32,6 +37,8 @@ class Stats(NamedTuple):
     budget: jax.Array
     tau_seed: jax.Array
     tau_final: jax.Array
+    dense: jax.Array
+    predicted_cost: jax.Array
 
 
 class TopKResult(NamedTuple):

@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from jax import lax
 
@@ -131,6 +132,45 @@ DIRECT_SURVIVAL = 0.5
 #: Off (+inf) by default: the prediction also sends groups that would not have overflowed to
 #: a rescan (one program per group over all keys), whose latency outweighs the overflows saved.
 DIRECT_LIST_USE = float("inf")
+
+
+#: The call runs the dense scan for every query (seeded from τ) when the predicted ratio of
+#: DoSA's time to the dense scan's (:func:`predicted_cost_ratio`) exceeds this: screening
+#: cannot pay on such a call, and the decision costs only the planner's sample of a few
+#: groups. ``Config.dense_switch`` overrides it (``inf``: never).
+DENSE_SWITCH = 0.9
+#: The cost model's constants, in units of the dense scan's cost per (query, key): the
+#: screen's cost per plan row (the rows r + A of a query's class, over H), the refinement's
+#: per key of a group's survivor union, and the fixed part (seeds, compaction, planning).
+#: Values and the measurement that chose them: BENCHMARKS.md (matrix).
+SCREEN_ROW_COST = 0.64
+REFINE_KEY_COST = 1.33
+FIXED_COST = 0.07
+#: Groups of 4 queries sampled for the call-level decision (strided over the call).
+SWITCH_SAMPLE_GROUPS = 256
+
+
+def predicted_cost_ratio(direct_g, rows_g, use_g, range_g, H: int, *,
+                         screen_row_cost: float = SCREEN_ROW_COST,
+                         refine_key_cost: float = REFINE_KEY_COST,
+                         fixed_cost: float = FIXED_COST):
+    """Predicted time of DoSA over the dense scan's, from a sample of groups of 4 queries.
+
+    The cost form of Eq. 18–21 with measured per-kernel weights, summed over groups in
+    units of the dense scan's work on a key of a group's range (``range_g`` = max hi − min lo):
+
+        dense group:   range_g                                  (its scan from θ₀ = τ)
+        screened group: a·(rows_g / H)·range_g + κ·use_g        (screen + refine its union)
+
+    with a = ``screen_row_cost``, κ = ``refine_key_cost``, ``rows_g`` the plan rows of the
+    group's widest query (r + A), ``use_g`` its predicted survivor union
+    (:func:`predicted_list_use`); the ratio is Σ cost / Σ range_g + ``fixed_cost``.
+    A speed heuristic only: it decides which exact path answers, never the answer.
+    """
+    rng = jnp.maximum(range_g, 0).astype(jnp.float32)
+    screened = screen_row_cost * (rows_g.astype(jnp.float32) / H) * rng + refine_key_cost * use_g
+    cost = jnp.where(direct_g, rng, screened)
+    return jnp.sum(cost) / jnp.maximum(jnp.sum(rng), 1.0) + fixed_cost
 
 
 def predicted_list_use(kept, valid, lo, hi, Tpad4: int):
@@ -252,12 +292,44 @@ def dosa_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), split
     anchors = anchor_topk(q, k, w, k_scale, lo, hi, config, tiles=tiles, interpret=interpret)
     wit = group_witnesses(round_up_to(T, 4), hint, anchors, config.anchors(T))
     keyside = key_side(k, k_scale, tiles)   # once per call, outside the waves' loop
-    if Tw >= T or return_details:
-        if return_details and Tw < T:
-            raise ValueError("return_details needs a single wave (wave >= T)")
-        return _dosa_wave(q, k, w, k_scale, lo, hi, config, tiles=tiles, splits=splits,
-                          interpret=interpret, return_details=return_details,
-                          stop_after=stop_after, witnesses=wit, keyside=keyside)
+    lo = lo.astype(jnp.int32)
+    hi = hi.astype(jnp.int32)
+    wave_kw = dict(tiles=tiles, splits=splits, interpret=interpret, keyside=keyside)
+    if return_details or stop_after is not None:
+        if Tw < T:
+            if return_details:
+                raise ValueError("return_details needs a single wave (wave >= T)")
+            return _in_waves(lambda *a, **kw: _dosa_wave(*a, stop_after=stop_after, **kw, **wave_kw),
+                             q, k, w, k_scale, lo, hi, config, Tw, wit)
+        return _dosa_wave(q, k, w, k_scale, lo, hi, config, return_details=return_details,
+                          stop_after=stop_after, witnesses=wit, **wave_kw)
+
+    def screened(_):
+        idx, sc, stats, direct, theta = _in_waves(
+            lambda *a, **kw: _dosa_wave(*a, defer_direct=True, **kw, **wave_kw),
+            q, k, w, k_scale, lo, hi, config, Tw, wit)
+        return _dense_pass(idx, sc, stats, direct, theta, q, w, k, k_scale, lo, hi, K=config.top_k,
+                           tiles=tiles, interpret=interpret, keyside=keyside)
+
+    switch = DENSE_SWITCH if config.dense_switch is None else config.dense_switch
+    if switch == float("inf"):
+        return screened(None)
+    ratio = _predicted_call_ratio(q, k, w, k_scale, lo, hi, config, witnesses=wit, **wave_kw)
+
+    def dense(_):
+        return _dense_call(q, w, k, k_scale, lo, hi, config, tiles=tiles, interpret=interpret,
+                           keyside=keyside, witnesses=wit)
+
+    idx, sc, stats = lax.cond(ratio > switch, dense, screened, None)
+    return idx, sc, stats._replace(predicted_cost=jnp.full((T,), ratio, jnp.float32))
+
+
+def _in_waves(fn, q, k, w, k_scale, lo, hi, config, Tw: int, wit):
+    """``fn(q, k, w, k_scale, lo, hi, config, witnesses=...)`` on waves of ``Tw`` queries
+    (``lax.map``, one wave's lists live at a time), outputs concatenated over the queries."""
+    T = q.shape[0]
+    if Tw >= T:
+        return fn(q, k, w, k_scale, lo, hi, config, witnesses=wit)
     n = -(-T // Tw)
     pad = n * Tw - T
     if wit is not None:      # [G4, W] -> per wave [Tw/4, W] (padded queries: no witnesses)
@@ -266,17 +338,80 @@ def dosa_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), split
     padq = lambda a: jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1))
     # padded queries see nothing (empty range): they are answered and dropped
     waves = (padq(q).reshape((n, Tw) + q.shape[1:]), padq(w).reshape((n, Tw) + w.shape[1:]),
-             padq(lo.astype(jnp.int32)).reshape(n, Tw), padq(hi.astype(jnp.int32)).reshape(n, Tw),
-             wit)
+             padq(lo).reshape(n, Tw), padq(hi).reshape(n, Tw), wit)
 
     def one(args):
         qw, ww, low, hiw, ws = args
-        return _dosa_wave(qw, k, ww, k_scale, low, hiw, config, tiles=tiles, splits=splits,
-                          interpret=interpret, stop_after=stop_after, witnesses=ws,
-                          keyside=keyside)
+        return fn(qw, k, ww, k_scale, low, hiw, config, witnesses=ws)
 
     out = lax.map(one, waves)
     return jax.tree_util.tree_map(lambda a: a.reshape((n * Tw,) + a.shape[2:])[:T], out)
+
+
+def _predicted_call_ratio(q, k, w, k_scale, lo, hi, config, *, witnesses, **wave_kw):
+    """:func:`predicted_cost_ratio` of the call from the plans of every g-th group of 4
+    queries (about :data:`SWITCH_SAMPLE_GROUPS` groups): their seeds, τ, planner sample,
+    budgets, dense-group rule and predicted survivor unions, as their waves would build them."""
+    T, H = q.shape[0], q.shape[1]
+    G4 = -(-T // 4)
+    groups = np.arange(0, G4, max(1, G4 // SWITCH_SAMPLE_GROUPS))
+    qi = (groups[:, None] * 4 + np.arange(4)).reshape(-1)
+    real = jnp.asarray(qi < T)
+    qi = np.minimum(qi, T - 1)
+    wit = None if witnesses is None else witnesses[groups]
+    d = _dosa_wave(q[qi], k, w[qi], k_scale, jnp.where(real, lo[qi], 0),
+                   jnp.where(real, hi[qi], 0), config, stop_after="plan", witnesses=wit, **wave_kw)
+    return predicted_cost_ratio(d["direct_g"], d["rows_g"], d["use_g"], d["range_g"], H)
+
+
+def _dense_pass(idx, sc, stats, direct, theta, q, w, k, k_scale, lo, hi, *, K: int,
+                tiles: Tiles, interpret, keyside: "KeySide"):
+    """Answer the queries of ``direct`` groups by one dense scan over the whole call from their
+    θ₀ (every group's programs at once; the other groups' ranges are empty), exact."""
+
+    def run(args):
+        idx, sc, stats = args
+        ops = prepare_operands(q, w, k, k_scale, tiles.BQ, layout=tiles.layout,
+                               widen_fp8=tiles.widen_fp8, lane_sums=tiles.lane_sums,
+                               keys=keyside.operands)
+        d_idx, d_sc, cand = dense_mod.topk_from_operands(
+            ops, jnp.where(direct, lo, 0), jnp.where(direct, hi, 0), theta, K, tiles=tiles,
+            interpret=interpret, return_candidates=True)
+        sel = direct[:, None]
+        idx = jnp.where(sel, d_idx, idx)
+        sc = jnp.where(sel, d_sc, sc)
+        records = jnp.sum(cand.appended[:q.shape[0]], axis=1)
+        stats = stats._replace(records=jnp.where(direct, records, stats.records),
+                               tau_final=jnp.where(idx[:, K - 1] >= 0, sc[:, K - 1], -jnp.inf))
+        return idx, sc, stats
+
+    return lax.cond(jnp.any(direct), run, lambda a: a, (idx, sc, stats))
+
+
+def _dense_call(q, w, k, k_scale, lo, hi, config, *, tiles: Tiles, interpret, keyside: "KeySide",
+                witnesses):
+    """Every query by the dense scan from θ₀ = its seed τ (witnesses included), exact; the
+    call-level decision's path when screening cannot pay (``Stats.dense`` set)."""
+    T, K = q.shape[0], config.top_k
+    ops = prepare_operands(q, w, k, k_scale, tiles.BQ, layout=tiles.layout,
+                           widen_fp8=tiles.widen_fp8, lane_sums=tiles.lane_sums,
+                           keys=keyside.operands)
+    tau_key, n_eligible, n_seeds = seed_tau_key(ops, lo, hi, config, tiles=tiles,
+                                                interpret=interpret, witnesses=witnesses)
+    have_tau = n_eligible >= K
+    theta0 = jnp.where(have_tau, tau_key, THETA_NONE)
+    idx, sc, cand = dense_mod.topk_from_operands(ops, lo, hi, theta0, K, tiles=tiles,
+                                                 interpret=interpret, return_candidates=True)
+    n_vis = hi - lo
+    zero = jnp.zeros((T,), jnp.int32)
+    nonempty = n_vis > 0
+    stats = Stats(visible=n_vis, seeds=n_seeds[:T], screened=n_vis, survivors=n_vis,
+                  records=jnp.sum(cand.appended[:T], axis=1), rounds=jnp.ones((T,), jnp.int32),
+                  overflows=zero, recoveries=zero, pruning=jnp.zeros((T,), bool),
+                  budget=zero, tau_seed=jnp.full((T,), -jnp.inf, jnp.float32),
+                  tau_final=jnp.where(idx[:, K - 1] >= 0, sc[:, K - 1], -jnp.inf),
+                  dense=nonempty, predicted_cost=jnp.full((T,), jnp.nan, jnp.float32))
+    return idx, sc, stats
 
 
 def _class_program_queries(classes, A: int, T: int, tiles: Tiles) -> dict:
@@ -406,7 +541,7 @@ def key_side(k, k_scale, tiles: Tiles) -> "KeySide":
 
 def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interpret,
                keyside: "KeySide", return_details: bool = False, stop_after=None,
-               witnesses=None):
+               witnesses=None, defer_direct: bool = False):
     """One wave of :func:`dosa_topk` (all of its queries' lists live at once), with the
     call's :func:`key_side`."""
     K = config.top_k
@@ -472,11 +607,18 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     # query, fills the list); the rule is off by default (DIRECT_LIST_USE) and then costs nothing
     Cs = survivor_capacity(N, T, S, K, config.capacity)
     use = None
-    if DIRECT_LIST_USE != float("inf"):
+    if DIRECT_LIST_USE != float("inf") or stop_after == "plan":
         kept = jax.vmap(sample_survivors)(sdots, snorm, svalid, tau, details)   # [T, P]
         use = predicted_list_use(kept, svalid, lo, hi, Tpad4)
+    if DIRECT_LIST_USE != float("inf"):
         direct_g = direct_g | (use > DIRECT_LIST_USE * Cs * S)
     direct = jnp.repeat(direct_g, 4)[:T]
+    if stop_after == "plan":   # the call-level decision's inputs (:func:`predicted_cost_ratio`)
+        rows = jnp.where(nonempty, budget + A, 0)
+        rows_g = jnp.max(jnp.pad(rows, (0, Tpad4 - T)).reshape(G4, 4), axis=1)
+        _, glo, ghi, _ = group_ranges(jnp.pad(lo, (0, Tpad4 - T)).reshape(G4, 4),
+                                      jnp.pad(hi, (0, Tpad4 - T)).reshape(G4, 4))
+        return dict(direct_g=direct_g, rows_g=rows_g, use_g=use, range_g=ghi - glo)
 
     # 3. screen (direct groups see no keys here), one kernel per budget class
     slo = jnp.where(direct, 0, lo)
@@ -497,9 +639,11 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     if stop_after == "refine":
         return dict(tau=tau, count=cand.count[:T], key=cand.key[:T])
 
-    # 5. recovery: overflowed and direct groups are scanned densely from θ₀ = τ (exact, counted)
+    # 5. recovery: overflowed and direct groups are scanned densely from θ₀ = τ (exact, counted);
+    # with ``defer_direct`` the direct groups are left to the caller's one dense pass over the
+    # whole call (a wave's few direct groups would occupy the GPU poorly)
     overflow = jnp.repeat(overflow_g, 4)[:T]
-    recover = overflow | direct
+    recover = overflow | (direct & ~defer_direct)
 
     def recover_fn(c):
         rlo = jnp.where(recover, lo, 0)
@@ -519,15 +663,18 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     idx, sc = rec.select_from_records(cand.key, cand.ids, cand.count, K)
     n_vis = hi - lo
     kth = idx[:, K - 1] >= 0
-    rint = recover.astype(jnp.int32)
+    rint = (recover | direct).astype(jnp.int32)
     survivors = jnp.sum(surv.per_query, axis=1)
     stats = Stats(visible=n_vis, seeds=n_seeds[:T], screened=n_vis,
-                  survivors=jnp.where(recover, n_vis, survivors),
+                  survivors=jnp.where(recover | direct, n_vis, survivors),
                   records=jnp.sum(cand.appended, axis=1), rounds=1 + rint,
                   overflows=overflow.astype(jnp.int32), recoveries=rint, pruning=prune,
                   budget=budget,
                   tau_seed=jnp.where(prune, tau, -jnp.inf),
-                  tau_final=jnp.where(kth, sc[:, K - 1], -jnp.inf))
+                  tau_final=jnp.where(kth, sc[:, K - 1], -jnp.inf),
+                  dense=direct, predicted_cost=jnp.full((T,), jnp.nan, jnp.float32))
+    if defer_direct:
+        return idx, sc, stats, direct, theta_tau
     if return_details:
         return idx, sc, stats, dict(plan=plan, coef=coef, eps=eps, surv=surv, cand=cand,
                                     tau_key=tau_key, Cs=Cs, splits=S, direct=direct,

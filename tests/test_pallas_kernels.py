@@ -324,7 +324,10 @@ def _check_unprunable_groups_go_straight_to_dense(inp, cfg):
 
 
 #: the DoSA == dense tests' configuration and inputs (one set: shared interpret-mode compilations)
-BITWISE_CFG = Config(top_k=32, retained_heads=6, seed_size=256, capacity=1024)
+# the screening path under test: the call-level dense switch off (tests/test_dense_switch.py
+# covers the switch)
+BITWISE_CFG = Config(top_k=32, retained_heads=6, seed_size=256, capacity=1024,
+                     dense_switch=float("inf"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -566,7 +569,8 @@ def test_dosa_overflow_recovers_exactly(tiles):
     """float32 inputs (two bf16 pieces each) and survivor lists too small: exact via recovery
     (also with each list refined in three slices: the recovery then scans in as many splits)."""
     inp = synthetic.gaussian(T=8, N=700, H=4, D=32, seed=1)
-    cfg = Config(top_k=32, retained_heads=2, seed_size=64, capacity=16)   # lists overflow
+    cfg = Config(top_k=32, retained_heads=2, seed_size=64, capacity=16,   # lists overflow
+                 dense_switch=float("inf"))
     args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)
     with pytest.MonkeyPatch.context() as mp:   # screen although the sample predicts overflows
         mp.setattr(pipeline, "DIRECT_LIST_USE", float("inf"))
@@ -688,7 +692,7 @@ def test_dosa_waves_equal_one_wave_bitwise():
     ``records`` (appends between online-threshold compactions depend on the scan schedule)."""
     inp = synthetic.structured(T=6, N=400, H=8, D=16, seed=7, key_dtype="float8_e4m3fn",
                                query_dtype="bfloat16")
-    cfg = Config(top_k=16, retained_heads=6, seed_size=64)
+    cfg = Config(top_k=16, retained_heads=6, seed_size=64, dense_switch=float("inf"))
     args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)
     # the single wave under jax.jit: one program, like the waves' lax.map (op by op, these
     # shapes alone compiled ~700 small programs: 39 s against 14 s on a 2-core CPU)
@@ -732,7 +736,7 @@ def test_operand_pieces_represent_float32():
 def test_gpu_dense_and_dosa_bitwise_and_vs_twin(tiles):
     inp = synthetic.structured(T=256, N=32768, H=32, D=128, seed=5, key_dtype="float8_e4m3fn",
                                query_dtype="bfloat16")
-    cfg = Config(top_k=2048)
+    cfg = Config(top_k=2048, dense_switch=float("inf"))     # the screening path
     args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)
     idx, sc, st = jax.jit(lambda *a: pipeline.dosa_topk(*a, cfg, tiles=tiles))(*args)
     didx, dsc = jax.jit(lambda *a: pipeline.dense_topk(*a, cfg, tiles=tiles))(*args)
@@ -803,28 +807,3 @@ def test_bad_tiles_are_rejected_naming_the_field():
         pipeline.dosa_topk(*args[:-1], Config(top_k=8, guided_witnesses=4), tiles=TILES)
     with pytest.raises(ValueError, match="tiles.layout"):
         pipeline.dense_topk(*args, tiles=TILES._replace(layout="xy"))
-
-
-def test_benchmark_specs_parse_tiles_seeds_and_anchors():
-    from benchmarks.run import BENCH_SEEDS, parse_tiles, tiles_name
-    t, o = parse_tiles("kh:128:4:3:kh:8:4:0:32/8192/64")
-    assert (t.layout, t.BK, t.num_stages, t.screen_bq, t.screen_lane_sums, t.screen_bk) == (
-        "kh", 128, 3, 8, False, 32)
-    cfg = o.config(2048)
-    assert (cfg.seed_size, cfg.anchor_stride, cfg.backend) == (8192, 64, "pallas")
-    assert tiles_name(t, o).endswith("/8192/64") and t.widen_fp8
-    t, _ = parse_tiles("kc:64:4:3:kc:4:4:1:0:0:64")
-    assert (t.widen_fp8, t.refine_bk) == (False, 64)
-    assert parse_tiles(tiles_name(t))[0] == t
-    t, _ = parse_tiles("screen_defer=1+screen_stages=2+BK=128")
-    assert t == dense.Tiles()._replace(screen_defer=True, screen_stages=2, BK=128)
-    assert parse_tiles(tiles_name(t))[0] == t
-    with pytest.raises(ValueError, match="screen_defr"):
-        parse_tiles("screen_defr=1")
-    t, o = parse_tiles("shared_budget=0/8192/0/0/2.5")
-    assert not t.shared_budget and o.config(8).survivor_cost == 2.5
-    assert parse_tiles(tiles_name(t, o)) == (t, o)
-    t, o = parse_tiles("")
-    assert t == dense.Tiles() and (o.seeds, o.anchor) == (BENCH_SEEDS, 0)
-    assert o.config(8).survivor_cost is None
-    assert parse_tiles("/4096")[1].config(8).anchors(4096) == 0

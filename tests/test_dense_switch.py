@@ -1,0 +1,92 @@
+"""The pallas backend's decision to answer by the dense scan: the call-level switch on the
+predicted cost ratio, and the deferred dense pass of the groups that cannot prune. Exact
+either way: every path equals the dense scan bitwise."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dosa_jax import synthetic
+from dosa_jax.config import Config
+from pallas_kernels import dense, pipeline
+
+pytestmark = pytest.mark.xdist_group("pallas")
+
+TILES = dense.Tiles(BQ=4, BK=16, CH=32, refine_bk=0, compact_chunk=64)
+
+
+def _inputs(T=12):
+    return synthetic.structured(T=T, N=600, H=8, D=16, seed=5, key_dtype="float8_e4m3fn",
+                                query_dtype="bfloat16")
+
+
+def _run(cfg, inp, **kw):
+    args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)
+    return jax.jit(lambda *a: pipeline.dosa_topk(*a, cfg, tiles=TILES, splits=2, **kw))(*args)
+
+
+def test_every_path_equals_dense_bitwise_and_is_counted():
+    inp = _inputs()
+    base = Config(top_k=16, retained_heads=4, seed_size=64)
+    args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)
+    didx, dsc = pipeline.dense_topk(*args, base, tiles=TILES, splits=2)
+    screened = _run(base.replace(dense_switch=float("inf")), inp)
+    switched = _run(base.replace(dense_switch=1e-6), inp)          # any prediction exceeds it
+    auto = _run(base, inp, wave=8)                                  # two waves, default switch
+    for idx, sc, _ in (screened, switched, auto):
+        np.testing.assert_array_equal(np.asarray(idx), np.asarray(didx))
+        np.testing.assert_array_equal(np.asarray(sc), np.asarray(dsc))
+    st = switched[2]
+    vis = np.asarray(st.visible) > 0
+    assert np.asarray(st.dense)[vis].all() and not np.asarray(st.pruning).any()
+    assert np.array_equal(np.asarray(st.survivors), np.asarray(st.visible))
+    ratio = np.asarray(st.predicted_cost)
+    assert np.all(np.isfinite(ratio)) and np.all(ratio == ratio[0]) and ratio[0] > 0
+    # the screened path made no prediction; the default path made the same one
+    assert np.isnan(np.asarray(screened[2].predicted_cost)).all()
+    np.testing.assert_array_equal(np.asarray(auto[2].predicted_cost), ratio)
+    assert int(jnp.sum(screened[2].pruning)) > 0
+
+
+def test_deferred_direct_groups_are_answered_by_one_dense_pass():
+    """Queries that cannot prune (a bad key scale in
+    their range) are dense groups; with waves they are answered after all waves by one dense
+    pass, bitwise equal to the dense scan, counted in ``Stats.dense``."""
+    inp = _inputs()
+    scale = np.asarray(inp.k_scale).copy()
+    scale[594] = 0.0                          # invalid: queries seeing key 594 cannot prune
+    k_scale = jnp.asarray(scale)
+    cfg = Config(top_k=16, retained_heads=4, seed_size=64, dense_switch=float("inf"))
+    args = (inp.q, inp.k, inp.w, k_scale, inp.lo, inp.hi)
+    didx, dsc = pipeline.dense_topk(*args, cfg, tiles=TILES, splits=2)
+    idx, sc, st = jax.jit(lambda *a: pipeline.dosa_topk(*a, cfg, tiles=TILES, splits=2,
+                                                        wave=4))(*args)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(didx))
+    np.testing.assert_array_equal(np.asarray(sc), np.asarray(dsc))
+    sees = np.asarray(inp.hi) > 594
+    assert sees.any() and (~sees).any()
+    d = np.asarray(st.dense)
+    assert d[sees].all()
+    assert np.array_equal(np.asarray(st.survivors)[sees], np.asarray(st.visible)[sees])
+
+
+def test_predicted_cost_ratio_is_the_range_weighted_model():
+    direct = jnp.array([True, False, False])
+    rows = jnp.array([0, 8, 16])
+    use = jnp.array([0.0, 50.0, 10.0])
+    rng = jnp.array([100, 200, 300])
+    got = float(pipeline.predicted_cost_ratio(direct, rows, use, rng, 32, screen_row_cost=0.5,
+                                              refine_key_cost=2.0, fixed_cost=0.1))
+    want = (100 + (0.5 * 8 / 32 * 200 + 2 * 50) + (0.5 * 16 / 32 * 300 + 2 * 10)) / 600 + 0.1
+    assert got == pytest.approx(want, rel=1e-6)
+    # empty ranges cost nothing and do not divide by zero
+    assert float(pipeline.predicted_cost_ratio(direct[:1], rows[:1], use[:1], jnp.array([0]), 32,
+                                               fixed_cost=0.0)) == 0.0
+
+
+def test_dense_switch_is_validated():
+    with pytest.raises(ValueError, match="dense_switch"):
+        Config(dense_switch=0.0)
+    with pytest.raises(ValueError, match="dense_switch"):
+        Config(dense_switch="x")
