@@ -48,9 +48,11 @@ from jax import lax
 from dosa_jax import diagnostics
 from dosa_jax.bounds.positive import RESIDUALS
 from dosa_jax.config import Config
-from dosa_jax.dense import anchor_hint, dense_topk_reference
+from dosa_jax import witnesses
+from dosa_jax.dense import dense_topk_reference
 from dosa_jax.inputs import check_inputs
-from dosa_jax.pipeline import map_query_tiles, plan_tile, prepare_keys
+from dosa_jax.pipeline import plan_tile, prepare_keys
+from dosa_jax.tiling import map_query_tiles
 from dosa_jax.planner import residual_groups
 
 HIGHEST = lax.Precision.HIGHEST
@@ -95,7 +97,8 @@ def plan_choices(q, k, w, k_scale=None, lo=None, hi=None, config: Optional[Confi
     q, k, w = sg(q), sg(k), sg(w)
     k_scale = None if k_scale is None else sg(k_scale)
     keys = prepare_keys(k, k_scale, config.key_block)
-    hint = anchor_hint(q, k, w, k_scale, lo, hi, config)
+    anchors = witnesses.anchor_topk(dense_topk_reference, q, k, w, k_scale, lo, hi, config)
+    hint = witnesses.per_query_witnesses(anchors, config.anchors(q.shape[0]), q.shape[0])
 
     def tile(qt, wt, lot, hit, *h):
         tp = plan_tile(qt, wt, lot, hit, keys, config, h[0] if h else None)
