@@ -32,7 +32,7 @@ for s in $stages; do
   case $s in
     tests)
       echo "=== tests: python -m pytest -m gpu -o addopts=-q tests" | tee -a "$LOG"
-      timeout "${TESTS_TIMEOUT:-300}" python -m pytest -m gpu -o addopts=-q -p no:cacheprovider \
+      JAX_PLATFORMS=cuda timeout "${TESTS_TIMEOUT:-300}" python -m pytest -m gpu -o addopts=-q -p no:cacheprovider \
         tests > "$OUT/tests.txt" 2>&1
       rc=$?
       tail -5 "$OUT/tests.txt" | tee -a "$LOG"
