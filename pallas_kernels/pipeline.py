@@ -643,7 +643,7 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     # with ``defer_direct`` the direct groups are left to the caller's one dense pass over the
     # whole call (a wave's few direct groups would occupy the GPU poorly)
     overflow = jnp.repeat(overflow_g, 4)[:T]
-    recover = overflow | (direct & ~defer_direct)
+    recover = overflow if defer_direct else overflow | direct
 
     def recover_fn(c):
         rlo = jnp.where(recover, lo, 0)
