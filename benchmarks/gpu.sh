@@ -7,7 +7,7 @@
 # (matrix1m: the H = 32 cases at N = 1M; matrix1m64: the H = 64 cases; matrix128k: all 16 at
 # N = 128K; matrix: everything, longer than one 10-minute device call). Each stage
 # runs under its own timeout (seconds; TESTS_TIMEOUT, HEADLINE_TIMEOUT, MATRIX_TIMEOUT) so a
-# slow stage leaves the others' results. Files written to $OUT (few, for a device tool that
+# slow stage leaves the others' results. Files written to $OUT (few, for a remote runner that
 # returns at most 8): gpu_log.txt (every stage's output), tests.txt, and each preset's
 # <preset>.md / <preset>.json (rewritten after every row: a killed stage keeps its rows).
 # Set DOSA_COMMIT=<sha> when the device copy has no usable git metadata. MATRIX_ARGS adds

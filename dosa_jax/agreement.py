@@ -43,6 +43,7 @@ from typing import NamedTuple, Optional
 import jax.numpy as jnp
 import numpy as np
 
+from dosa_jax import api
 from dosa_jax import enclosure as enc
 from dosa_jax import numerics as nm
 
@@ -97,11 +98,9 @@ def score_rounding_bound(q, k, w, k_scale=None, backend: str = "reference", *,
     w32 = jnp.asarray(w, jnp.float32)
     q_norm = nm.norm_upper(q32)
     M = nm.inflate(jnp.sum(jnp.abs(w32) * q_norm, axis=-1), H)
-    if backend == "reference":
-        C = enc.scorer_error_coefficient(w32, q_norm, D, unit_roundoff)
-    else:
-        from pallas_kernels import numerics as knum  # the kernels' package is optional
-        C = knum.scorer_error_coefficient(jnp.asarray(q), w32, jnp.dtype(k.dtype))
+    # the backend's own coefficient C, through the dispatch table
+    C = api.implementation(backend).scorer_error(jnp.asarray(q), w32, jnp.dtype(k.dtype),
+                                                 unit_roundoff)
     u = nm.U32      # the scaling α_i·ŝ is one float32 multiply on both backends
     eps = enc.underflow_allowance(w32, jnp.zeros((T, 0), jnp.float32), 0, D, H, 0)
     an, a = _scale_terms(k, k_scale)

@@ -35,25 +35,38 @@ class Implementation(NamedTuple):
 
     topk(q, k, w, k_scale, lo, hi, config, *, hint=None) -> (indices, scores, Stats);
     dense_topk(q, k, w, k_scale, lo, hi, config) -> (indices, scores);
-    exact_topk(scores, k, valid=None) -> (indices, scores).
+    exact_topk(scores, k, valid=None) -> (indices, scores);
+    scorer_error(q, w, k_dtype, unit_roundoff) -> [T] relative error coefficient C of the
+    backend's scorer (DESIGN §9, Eq. 26), for the cross-backend contract (``agreement``).
     """
 
     topk: Callable
     dense_topk: Callable
     exact_topk: Callable
+    scorer_error: Callable
+
+
+def _reference_scorer_error(q, w, k_dtype, unit_roundoff):
+    from dosa_jax import enclosure, numerics
+    q_norm = numerics.norm_upper(jnp.asarray(q).astype(jnp.float32))
+    return enclosure.scorer_error_coefficient(jnp.asarray(w, jnp.float32), q_norm, q.shape[-1],
+                                              unit_roundoff)
 
 
 def _reference() -> Implementation:
-    return Implementation(dosa_topk_reference, dense_topk_reference, selection.exact_topk)
+    return Implementation(dosa_topk_reference, dense_topk_reference, selection.exact_topk,
+                          _reference_scorer_error)
 
 
 def _pallas() -> Implementation:
     try:
         import pallas_kernels.pipeline as pipeline  # the one lazy edge to the kernels
         import pallas_kernels.select as select
+        import pallas_kernels.numerics as numerics
     except ImportError as e:  # pragma: no cover - exercised only without the package
         raise NotImplementedError(f"backend='pallas' needs pallas_kernels: {e}") from e
-    return Implementation(pipeline.dosa_topk, pipeline.dense_topk, select.exact_topk)
+    return Implementation(pipeline.dosa_topk, pipeline.dense_topk, select.exact_topk,
+                          lambda q, w, k_dtype, _u: numerics.scorer_error_coefficient(q, w, k_dtype))
 
 
 #: Backend name -> loader of its :class:`Implementation` (loaded on first use).
