@@ -79,8 +79,13 @@ def run(argv=None):
     ap.add_argument("--warmup", type=int, default=None, help="untimed calls first")
     ap.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
     ap.add_argument("--tag", default="", help="suffix of the output file names")
+    ap.add_argument("--anchor-stride", type=int, default=0,
+                    help="matrix: also time DoSA with Config.anchor_stride=S (0: no variant)")
     a = ap.parse_args(argv)
     preset = (QUICK if a.quick else PRESETS)[a.preset]
+    if a.anchor_stride < 0:
+        ap.error(f"--anchor-stride must be >= 0, got {a.anchor_stride}")
+    preset = preset._replace(anchor_stride=a.anchor_stride)
     repeats = preset.repeats if a.repeats is None else a.repeats
     warmup = preset.warmup if a.warmup is None else a.warmup
     if repeats < 1 or warmup < 0:
@@ -91,7 +96,7 @@ def run(argv=None):
         ap.error(str(e))
     meta = run_meta(preset)
     meta.update(Ns=list(Ns), cases=[c.name for c in cases], repeats=repeats, warmup=warmup,
-                quick=a.quick, tag=a.tag)
+                quick=a.quick, tag=a.tag, anchor_stride=a.anchor_stride)
     log(f"[{a.preset}] N={list(Ns)} cases={[c.name for c in cases]} repeats={repeats} "
         f"warmup={warmup} out={a.out}")
     tab = RUNNERS[a.preset](preset, Ns, cases, a.out, meta, repeats, warmup)

@@ -174,6 +174,17 @@ def headline(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
     return tab
 
 
+def cost_terms_fn(cfg: dosa_jax.Config):
+    """Jitted (q, k, w, k_scale, lo, hi) -> the pallas dense switch's cost terms
+    (``pallas_kernels.pipeline.call_cost_terms``): screen rows, refined keys and densely
+    scanned keys per key of the call's ranges, for calibrating its constants. None where
+    the config does not resolve to the kernels (the reference backend has no switch)."""
+    if dosa_jax.backend.resolve_backend(cfg.backend) != "pallas":
+        return None
+    from pallas_kernels import pipeline
+    return jax.jit(lambda q, k, w, s, lo, hi: pipeline.call_cost_terms(q, k, w, s, lo, hi, cfg))
+
+
 def matrix_summary(rows):
     out = {}
     for N in sorted({r["N"] for r in rows}, reverse=True):
@@ -190,6 +201,9 @@ def matrix(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
             ("screened_ms", "DoSA, always screened, ms"),
             ("dense_over_screened", "dense/screened"), ("predicted_cost", "predicted DoSA/dense"),
             ("dense_share", "queries answered densely"),
+            ("cost_terms", "cost terms (screen, refine, dense)"),
+            ("anchored_ms", f"DoSA, anchors every {p.anchor_stride}, ms"),
+            ("dense_over_anchored", "dense/anchored"), ("anchored_survival", "anchored survival"),
             ("survival", "survival (τ)"), ("tau_over_tau_star", "τ/τ*"),
             ("survival_sub_tau", "sub: survival (τ)"),
             ("survival_sub_tau_star", "sub: survival (τ*)"), ("floor_exact", "floor K/|Ω|"),
@@ -208,6 +222,9 @@ def matrix(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
     f_dosa, f_dense = jitted_paths(cfg)
     # the same DoSA with the call-level dense switch off: what the switch's prediction decides on
     f_screened, _ = jitted_paths(cfg.replace(dense_switch=float("inf")))
+    f_terms = cost_terms_fn(cfg)
+    f_anchored = jitted_paths(cfg.replace(anchor_stride=p.anchor_stride))[0] if p.anchor_stride \
+        else None
     for N in Ns:
         for case in sorted(cases, key=lambda c: c.H):     # one compile per (H, N)
             t0 = time.perf_counter()
@@ -221,7 +238,9 @@ def matrix(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
                 row = dict(case=case.name, N=N, dosa_eq_dense=bitwise_equal(di, ds, ei, es)
                            and bitwise_equal(si, ss, ei, es), **stats_summary(sst),
                            predicted_cost=float(np.asarray(st.predicted_cost)[0]),
-                           dense_share=float(np.mean(np.asarray(st.dense))))
+                           dense_share=float(np.mean(np.asarray(st.dense))),
+                           cost_terms=None if f_terms is None else
+                           [round(float(t), 5) for t in np.asarray(f_terms(*args))])
                 del di, ds, si, ss
                 log(f"[matrix] {case.name} N={N}: checked (compiled) at "
                     f"{time.perf_counter() - t0:.1f}s, DoSA == dense {row['dosa_eq_dense']}")
@@ -232,6 +251,14 @@ def matrix(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
                            dense_over_dosa=t_dense.seconds / t_dosa.seconds, clock=t_dosa.clock,
                            screened_ms=t_scr.seconds * 1e3,
                            dense_over_screened=t_dense.seconds / t_scr.seconds)
+                if f_anchored is not None:
+                    ai, asc, ast = f_anchored(*args)
+                    row["dosa_eq_dense"] &= bitwise_equal(ai, asc, ei, es)
+                    t_anc = timeit(f_anchored, *args, warmup=warmup, repeats=repeats)
+                    row.update(anchored_ms=t_anc.seconds * 1e3,
+                               dense_over_anchored=t_dense.seconds / t_anc.seconds,
+                               anchored_survival=stats_summary(ast)["survival"])
+                    del ai, asc
                 log(f"[matrix] {case.name} N={N}: timed DoSA {row['dosa_ms']:.1f} ms, dense "
                     f"{row['dense_ms']:.1f} ms")
                 row.update(bound_floor(inp, es, sst.tau_seed, cfg, p.K, p.bound_queries))

@@ -50,6 +50,7 @@ class Preset(NamedTuple):
     bound_queries: int = 0
     select_rows: int = 256
     select_cols: int = 1 << 20
+    anchor_stride: int = 0
 
 
 KiB = 1024

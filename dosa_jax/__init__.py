@@ -28,7 +28,7 @@ SUBMODULES = (
     "agreement", "api", "autodiff", "backend", "bounds", "budget", "config", "datasets",
     "dense", "diagnostics", "enclosure", "inputs", "keys", "lm", "numerics", "pipeline",
     "plan", "planner", "results", "sample", "scorer", "screen", "seeds", "selection",
-    "slack", "synthetic", "tiling", "witnesses",
+    "slack", "synthetic", "tiling", "witnesses", "manual_axes",
 )
 
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dosa_jax import autodiff, selection
+from dosa_jax import autodiff, manual_axes, selection
 from dosa_jax.backend import BACKENDS, candidates, resolve_backend
 from dosa_jax.config import Config
 from dosa_jax.dense import dense_topk_reference
@@ -86,6 +86,11 @@ def _dispatch(backend: str, op: str, *args, **kwargs):
     reasons = []
     for name in candidates(backend):
         try:
+            if name == "pallas" and manual_axes.checking_varying_axes():
+                # inside a user's shard_map: kernels carry no varying-axes type (DESIGN §12)
+                with manual_axes.outside_varying_checks():
+                    out = getattr(implementation(name), op)(*args, **kwargs)
+                return manual_axes.as_varying(out, manual_axes.varying_axes(args, kwargs))
             return getattr(implementation(name), op)(*args, **kwargs)
         except NotImplementedError as e:
             reasons.append(f"{name}: {e}")

@@ -150,27 +150,38 @@ FIXED_COST = 0.07
 SWITCH_SAMPLE_GROUPS = 256
 
 
-def predicted_cost_ratio(direct_g, rows_g, use_g, range_g, H: int, *,
-                         screen_row_cost: float = SCREEN_ROW_COST,
-                         refine_key_cost: float = REFINE_KEY_COST,
-                         fixed_cost: float = FIXED_COST):
-    """Predicted time of DoSA over the dense scan's, from a sample of groups of 4 queries.
+def predicted_cost_terms(direct_g, rows_g, use_g, range_g, H: int):
+    """The cost model's three work terms [3] from a sample of groups of 4 queries, each in
+    units of the dense scan's work over the sampled groups' ranges (Σ range_g, with
+    ``range_g`` = max hi − min lo of a group):
 
-    The cost form of Eq. 18–21 with measured per-kernel weights, summed over groups in
-    units of the dense scan's work on a key of a group's range (``range_g`` = max hi − min lo):
+        screen:  Σ_screened (rows_g / H)·range_g / Σ range_g   (plan rows r + A per key)
+        refine:  Σ_screened use_g / Σ range_g                   (keys of the survivor unions)
+        dense:   Σ_dense range_g / Σ range_g                    (groups scanned from θ₀ = τ)
 
-        dense group:   range_g                                  (its scan from θ₀ = τ)
-        screened group: a·(rows_g / H)·range_g + κ·use_g        (screen + refine its union)
-
-    with a = ``screen_row_cost``, κ = ``refine_key_cost``, ``rows_g`` the plan rows of the
-    group's widest query (r + A), ``use_g`` its predicted survivor union
-    (:func:`predicted_list_use`); the ratio is Σ cost / Σ range_g + ``fixed_cost``.
-    A speed heuristic only: it decides which exact path answers, never the answer.
+    ``rows_g`` is the plan rows of the group's widest query, ``use_g`` its predicted
+    survivor union (:func:`predicted_list_use`), ``direct_g`` the dense-group rule.
     """
     rng = jnp.maximum(range_g, 0).astype(jnp.float32)
-    screened = screen_row_cost * (rows_g.astype(jnp.float32) / H) * rng + refine_key_cost * use_g
-    cost = jnp.where(direct_g, rng, screened)
-    return jnp.sum(cost) / jnp.maximum(jnp.sum(rng), 1.0) + fixed_cost
+    total = jnp.maximum(jnp.sum(rng), 1.0)
+    screened = ~direct_g
+    return jnp.stack([
+        jnp.sum(jnp.where(screened, (rows_g.astype(jnp.float32) / H) * rng, 0.0)) / total,
+        jnp.sum(jnp.where(screened, use_g.astype(jnp.float32), 0.0)) / total,
+        jnp.sum(jnp.where(screened, 0.0, rng)) / total])
+
+
+def predicted_cost_ratio(terms, *, screen_row_cost: float = SCREEN_ROW_COST,
+                         refine_key_cost: float = REFINE_KEY_COST,
+                         fixed_cost: float = FIXED_COST):
+    """Predicted time of DoSA over the dense scan's from :func:`predicted_cost_terms`.
+
+    The cost form of Eq. 18–21 with measured per-kernel weights:
+    a·screen + κ·refine + dense + fixed, with a = ``screen_row_cost``,
+    κ = ``refine_key_cost``. A speed heuristic only: it decides which exact path
+    answers, never the answer.
+    """
+    return (screen_row_cost * terms[0] + refine_key_cost * terms[1] + terms[2] + fixed_cost)
 
 
 def predicted_list_use(kept, valid, lo, hi, Tpad4: int):
@@ -289,11 +300,7 @@ def dosa_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), split
     Tw = wave_size(T, N) if wave is None else int(min(max(wave, 4), round_up_to(T, 4)))
     if Tw % 4:
         raise ValueError(f"wave must be a multiple of 4, got {wave}")
-    anchors = anchor_topk(q, k, w, k_scale, lo, hi, config, tiles=tiles, interpret=interpret)
-    wit = group_witnesses(round_up_to(T, 4), hint, anchors, config.anchors(T))
-    keyside = key_side(k, k_scale, tiles)   # once per call, outside the waves' loop
-    lo = lo.astype(jnp.int32)
-    hi = hi.astype(jnp.int32)
+    wit, keyside, lo, hi = _call_setup(q, k, w, k_scale, lo, hi, config, tiles, interpret, hint)
     wave_kw = dict(tiles=tiles, splits=splits, interpret=interpret, keyside=keyside)
     if return_details or stop_after is not None:
         if Tw < T:
@@ -314,7 +321,8 @@ def dosa_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), split
     switch = DENSE_SWITCH if config.dense_switch is None else config.dense_switch
     if switch == float("inf"):
         return screened(None)
-    ratio = _predicted_call_ratio(q, k, w, k_scale, lo, hi, config, witnesses=wit, **wave_kw)
+    ratio = predicted_cost_ratio(
+        predicted_call_terms(q, k, w, k_scale, lo, hi, config, witnesses=wit, **wave_kw))
 
     def dense(_):
         return _dense_call(q, w, k, k_scale, lo, hi, config, tiles=tiles, interpret=interpret,
@@ -322,6 +330,26 @@ def dosa_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), split
 
     idx, sc, stats = lax.cond(ratio > switch, dense, screened, None)
     return idx, sc, stats._replace(predicted_cost=jnp.full((T,), ratio, jnp.float32))
+
+
+def _call_setup(q, k, w, k_scale, lo, hi, config, tiles, interpret, hint):
+    """What every wave of a call shares: the witnesses of each group (hints and anchors'
+    Top-K), the key-side operands (once per call) and the int32 ranges."""
+    T = q.shape[0]
+    anchors = anchor_topk(q, k, w, k_scale, lo, hi, config, tiles=tiles, interpret=interpret)
+    wit = group_witnesses(round_up_to(T, 4), hint, anchors, config.anchors(T))
+    keyside = key_side(k, k_scale, tiles)   # once per call, outside the waves' loop
+    return wit, keyside, lo.astype(jnp.int32), hi.astype(jnp.int32)
+
+
+def call_cost_terms(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), splits=None,
+                    interpret=None, hint=None):
+    """:func:`predicted_cost_terms` of a :func:`dosa_topk` call (what its dense switch
+    weighs), for calibrating the cost model's constants (``benchmarks`` matrix)."""
+    check_tiles(tiles)
+    wit, keyside, lo, hi = _call_setup(q, k, w, k_scale, lo, hi, config, tiles, interpret, hint)
+    return predicted_call_terms(q, k, w, k_scale, lo, hi, config, witnesses=wit, tiles=tiles,
+                                splits=splits, interpret=interpret, keyside=keyside)
 
 
 def _in_waves(fn, q, k, w, k_scale, lo, hi, config, Tw: int, wit):
@@ -348,8 +376,8 @@ def _in_waves(fn, q, k, w, k_scale, lo, hi, config, Tw: int, wit):
     return jax.tree_util.tree_map(lambda a: a.reshape((n * Tw,) + a.shape[2:])[:T], out)
 
 
-def _predicted_call_ratio(q, k, w, k_scale, lo, hi, config, *, witnesses, **wave_kw):
-    """:func:`predicted_cost_ratio` of the call from the plans of every g-th group of 4
+def predicted_call_terms(q, k, w, k_scale, lo, hi, config, *, witnesses, **wave_kw):
+    """:func:`predicted_cost_terms` of the call from the plans of every g-th group of 4
     queries (about :data:`SWITCH_SAMPLE_GROUPS` groups): their seeds, τ, planner sample,
     budgets, dense-group rule and predicted survivor unions, as their waves would build them."""
     T, H = q.shape[0], q.shape[1]
@@ -361,7 +389,7 @@ def _predicted_call_ratio(q, k, w, k_scale, lo, hi, config, *, witnesses, **wave
     wit = None if witnesses is None else witnesses[groups]
     d = _dosa_wave(q[qi], k, w[qi], k_scale, jnp.where(real, lo[qi], 0),
                    jnp.where(real, hi[qi], 0), config, stop_after="plan", witnesses=wit, **wave_kw)
-    return predicted_cost_ratio(d["direct_g"], d["rows_g"], d["use_g"], d["range_g"], H)
+    return predicted_cost_terms(d["direct_g"], d["rows_g"], d["use_g"], d["range_g"], H)
 
 
 def _dense_pass(idx, sc, stats, direct, theta, q, w, k, k_scale, lo, hi, *, K: int,

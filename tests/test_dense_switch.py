@@ -71,18 +71,21 @@ def test_deferred_direct_groups_are_answered_by_one_dense_pass():
     assert np.array_equal(np.asarray(st.survivors)[sees], np.asarray(st.visible)[sees])
 
 
-def test_predicted_cost_ratio_is_the_range_weighted_model():
+def test_predicted_cost_is_the_range_weighted_model():
     direct = jnp.array([True, False, False])
     rows = jnp.array([0, 8, 16])
     use = jnp.array([0.0, 50.0, 10.0])
     rng = jnp.array([100, 200, 300])
-    got = float(pipeline.predicted_cost_ratio(direct, rows, use, rng, 32, screen_row_cost=0.5,
-                                              refine_key_cost=2.0, fixed_cost=0.1))
+    terms = np.asarray(pipeline.predicted_cost_terms(direct, rows, use, rng, 32))
+    np.testing.assert_allclose(terms, [(8 / 32 * 200 + 16 / 32 * 300) / 600, 60 / 600, 100 / 600],
+                               rtol=1e-6)
+    got = float(pipeline.predicted_cost_ratio(terms, screen_row_cost=0.5, refine_key_cost=2.0,
+                                              fixed_cost=0.1))
     want = (100 + (0.5 * 8 / 32 * 200 + 2 * 50) + (0.5 * 16 / 32 * 300 + 2 * 10)) / 600 + 0.1
     assert got == pytest.approx(want, rel=1e-6)
     # empty ranges cost nothing and do not divide by zero
-    assert float(pipeline.predicted_cost_ratio(direct[:1], rows[:1], use[:1], jnp.array([0]), 32,
-                                               fixed_cost=0.0)) == 0.0
+    empty = pipeline.predicted_cost_terms(direct[:1], rows[:1], use[:1], jnp.array([0]), 32)
+    assert float(pipeline.predicted_cost_ratio(empty, fixed_cost=0.0)) == 0.0
 
 
 def test_dense_switch_is_validated():
