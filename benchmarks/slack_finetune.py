@@ -20,11 +20,12 @@ unchanged) and measured as reloaded from that file:
   both domains, its last 512 positions);
 * survival at N: survivors / visible keys in ``dosa_jax.topk(...).stats``
   (``backend="auto"``, the call-level dense switch off so every query is screened),
-  code domain, ``--survival-queries`` queries strided over the last T positions;
+  code domain, the last T = 16K positions (``Plan.survival_queries`` < T: a strided
+  subset of them);
 
-then, for the chosen λ and λ = 0, DoSA (``Config(backend="auto")``) and the dense
-path timed side by side on the last T = 16K positions at N = 1M, bitwise equality
-checked. The chosen λ: among λ > 0 whose Top-K coverage stays within
+then, for the chosen λ and λ = 0, DoSA (``Config(backend="auto")``, the dense
+switch on) and the dense path timed side by side on the same inputs (the last
+T = 16K positions at N = 1M), bitwise equality checked. The chosen λ: among λ > 0 whose Top-K coverage stays within
 ``--coverage-tolerance`` (0.5 points) of λ = 0 on every domain, length, layer and
 head count, the one with the lowest worst-layer survival; if none does, the λ > 0
 whose worst coverage drop is least (and the table says so). Its weights go to
@@ -66,11 +67,12 @@ class Plan(NamedTuple):
     heads: Tuple[int, ...] = ()                    # indexers trained (): all of the preset's
     lambdas: Tuple[float, ...] = (0.0, 0.05, 0.2, 1.0)
     seconds_per_run: float = 45.0
+    steps: int = 0                                 # steps per λ (0: fitted to seconds_per_run)
     lengths: Tuple[int, ...] = (131072, 1048576)   # coverage
     coverage_queries: int = 512
     N: int = 1048576                               # survival and timing
     T: int = 16384
-    survival_queries: int = 4096
+    survival_queries: int = 16384                  # strided over the T (T: all of them)
     K: int = 2048
     seeds: int = 8192
     kl_crops: int = 1                              # held-out crops per domain
@@ -81,7 +83,7 @@ class Plan(NamedTuple):
 
 
 FULL = Plan()
-QUICK = Plan(train_preset="tiny", heads=(4,), lambdas=(0.0, 3.0), seconds_per_run=1.0, lengths=(512, 1024),
+QUICK = Plan(train_preset="tiny", heads=(4,), lambdas=(0.0, 3.0), steps=30, lengths=(512, 1024),
              coverage_queries=32, N=1024, T=64, survival_queries=16, K=16, seeds=64,
              repeats=1, warmup=0, budget_seconds=600.0)
 
@@ -187,7 +189,8 @@ class Trainer:
                 # fewer timing steps than the warm-up: the schedule so far did not depend on total
                 jax.block_until_ready(parts)
                 self.step_seconds = (time.perf_counter() - t_timing) / timing
-                self.total = max(step, int(self.plan.seconds_per_run / self.step_seconds))
+                self.total = self.plan.steps or max(
+                    step, int(self.plan.seconds_per_run / self.step_seconds))
                 self.clock.log(f"{self.step_seconds * 1e3:.1f} ms/step -> {self.total} steps per λ")
             if step % 50 == 0:
                 self.clock.log(f"λ={lam}: step {step}/{self.total} "
@@ -240,20 +243,23 @@ class LongContext:
             self.h.append(advance_layer(lm, self.h[-1], layer, lm_cfg))
         self.lm = lm
 
-    def inputs(self, weights, heads: int, layer: int, T: int, stride: int = 1):
+    def inputs(self, weights, heads: int, layer: int, T: int):
         """What ``datasets.trained("code", layer, length=N, num_queries=T, heads=heads)``
-        returns for these weights (FP8 keys, bf16 queries), every ``stride``-th query kept."""
+        returns for these weights: FP8 keys, bf16 queries, the last T positions causal."""
         from dosa_jax.lm import dump
         cfg, layers = weights[2][heads]
         q, k, w = dump._indexer_rows(layers[layer], self.lm["layers"][layer]["attn_norm"],
                                      self.h[layer], cfg, T, True)
-        q, w = q[::stride], w[::stride]
-        inp = dump.finish(q, k.astype(jnp.bfloat16), w, key_dtype="float8_e4m3fn",
-                          query_dtype="bfloat16", meta=dict(layer=layer, heads=heads))
-        N = k.shape[0]
-        pos = N - T + np.arange(0, T, stride)
-        return dataclasses.replace(inp, lo=jnp.zeros(pos.shape, jnp.int32),
-                                   hi=jnp.asarray(pos + 1, jnp.int32))
+        return dump.finish(q, k.astype(jnp.bfloat16), w, key_dtype="float8_e4m3fn",
+                           query_dtype="bfloat16", meta=dict(layer=layer, heads=heads))
+
+
+def strided(inp, stride: int):
+    """Every ``stride``-th query of ``inp`` (their own causal ranges kept)."""
+    if stride == 1:
+        return inp
+    return dataclasses.replace(inp, q=inp.q[::stride], w=inp.w[::stride], lo=inp.lo[::stride],
+                               hi=inp.hi[::stride])
 
 
 def length_label(n: int) -> str:
@@ -344,7 +350,7 @@ def run(plan: Plan, out: str, quick: bool) -> Table:
     cfg = dosa_jax.Config(top_k=plan.K, seed_size=plan.seeds, backend="auto")
     f_screened, _ = jitted_paths(cfg.replace(dense_switch=float("inf")))
     f_dosa, f_dense = jitted_paths(cfg)
-    files = {}
+    files, cache = {}, {}
     per_lambda_est = None
     for lam in plan.lambdas:
         t_lam = clock.elapsed()
@@ -375,10 +381,11 @@ def run(plan: Plan, out: str, quick: bool) -> Table:
                 for d in ("code", "prose"):
                     for N in plan.lengths:
                         row[f"cov_{d}_N{N}"] = cov[f"{d}/N{N}/layer{layer}/H{h}"][f"indexer@{plan.K}"]
-                inp = longc.inputs(wl, h, layer, plan.T, stride)
-                _, _, st = f_screened(*args_of(inp))
+                inp = longc.inputs(wl, h, layer, plan.T)
+                cache[(lam, h, layer)] = inp        # the timing stage reuses it
+                _, _, st = f_screened(*args_of(strided(inp, stride)))
                 row.update(stats_summary(st))
-                del inp, st
+                del st
                 tab.add(row)
                 clock.log(f"λ={lam} H={h} layer {layer}: KL {row['kl_heldout']:.4f} survival "
                           f"{row['survival']:.4f} " + " ".join(
@@ -397,19 +404,18 @@ def run(plan: Plan, out: str, quick: bool) -> Table:
 
     # DoSA vs dense at T, N for the chosen λ, then λ = 0
     order = [chosen] + ([0.0] if chosen != 0.0 and 0.0 in files else [])
+    for key in [k for k in cache if k[0] not in order]:
+        del cache[key]
     for lam in order:
         if lam not in files:
             continue
-        from dosa_jax.lm import dump
-        wl = dump.load_default_weights(files[lam])
         for h in heads:
             for layer in range(lm_cfg.n_layers):
                 if not clock.fits(15):
                     tab.error(f"timing λ={lam} H={h} layer {layer}: skipped (budget)")
                     continue
                 try:
-                    inp = longc.inputs(wl, h, layer, plan.T)
-                    a = args_of(inp)
+                    a = args_of(cache.pop((lam, h, layer)))
                     di, ds, st = f_dosa(*a)
                     ei, es = f_dense(*a)
                     eq = bitwise_equal(di, ds, ei, es)
@@ -425,7 +431,7 @@ def run(plan: Plan, out: str, quick: bool) -> Table:
                     tab.write()
                     clock.log(f"timing λ={lam} H={h} layer {layer}: DoSA {row['dosa_ms']:.1f} ms "
                               f"dense {row['dense_ms']:.1f} ms bitwise {eq}")
-                    del inp, a
+                    del a
                 except Exception as e:  # noqa: BLE001 - one failed case must not lose the others
                     tab.error(f"timing λ={lam} H={h} layer {layer}: {e!r}"[:500])
                     clock.log(f"timing λ={lam} H={h} layer {layer}: ERROR {e!r}")
@@ -451,9 +457,10 @@ def probe(heads: int = 32, queries: int = 8) -> dict:
     batch = train.slack_batch(per_layer, 0, 0, tc)
     norm = lambda g: float(jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree_util.tree_leaves(g))))
     (kl, _), g_kl = jax.jit(jax.value_and_grad(
-        lambda p: train.indexer_objective(p, lm, tokens, tc, per_layer), has_aux=True))(params)
+        lambda p, m, t, pl: train.indexer_objective(p, m, t, tc, pl), has_aux=True))(
+            params, lm, tokens, per_layer)
     (sl, _), g_sl = jax.jit(jax.value_and_grad(
-        lambda p: train.slack_objective(p, batch, tc), has_aux=True))(params)
+        lambda p, b: train.slack_objective(p, b, tc), has_aux=True))(params, batch)
     out = dict(heads=heads, crop=tc.seq_len, slack_queries=queries, K=tc.slack_top_k,
                kl=float(kl), slack=float(sl), grad_kl=norm(g_kl), grad_slack=norm(g_sl),
                per_layer=[dict(layer=i, grad_kl=norm(g_kl[str(heads)][i]),
