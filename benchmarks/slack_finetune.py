@@ -97,8 +97,8 @@ class Plan(NamedTuple):
 
 
 FULL = Plan()
-QUICK = Plan(train_preset="tiny", heads=(4,), lambdas=(0.0, 3.0), steps=30, lengths=(512, 1024),
-             coverage_queries=32, N=1024, T=64, survival_queries=16, K=16, seeds=64,
+QUICK = Plan(train_preset="tiny", heads=(4,), lambdas=(0.0, 3.0), steps=20, lengths=(256, 512),
+             coverage_queries=32, N=512, T=64, survival_queries=16, K=16, seeds=64,
              repeats=1, warmup=0, budget_seconds=600.0)
 
 
@@ -350,7 +350,6 @@ def run(plan: Plan, out: str, quick: bool) -> Table:
                     f"timing: T={plan.T} (last positions), N={plan.N}, code, Config(top_k="
                     f"{plan.K}, seed_size={plan.seeds}, backend='auto'), median of "
                     f"{plan.repeats} calls after {plan.warmup} warm-up"])
-    results = dict(rows=tab.rows)
 
     clock.log(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; plan {plan._asdict()}")
     heads = sorted(weights[2])
@@ -372,42 +371,46 @@ def run(plan: Plan, out: str, quick: bool) -> Table:
             tab.error(f"λ={lam}: skipped, {clock.elapsed():.0f}s of {plan.budget_seconds:.0f}s "
                       "used")
             continue
-        params, info = trainer.run(lam)
-        clock.log(f"λ={lam}: trained {info['steps']} steps in {info['train_seconds']:.1f}s")
-        p8 = trainer.train.roundtrip_int8(params)
-        inds = {h: (weights[2][h][0], p8[str(h)]) for h in heads}
-        path = os.path.join(out, f"weights_lambda_{lam:g}.npz")
-        wl = export_and_reload(path, weights, inds, dict(
-            slack_fine_tuning=dict(lam=lam, train_preset=plan.train_preset,
-                                   train_config=repr(dataclasses.replace(tc)), **info),
-            base_weights=weights[3]))
-        files[lam] = path
-        if not lm_unchanged(weights, wl):
-            tab.error(f"λ={lam}: the exported LM differs from the base LM")
-        t_eval = clock.elapsed()
-        cov = long_context_coverage.run(["code", "prose"], list(range(lm_cfg.n_layers)),
-                                        list(plan.lengths), heads, plan.coverage_queries, Ks,
-                                        weights=wl, log=lambda s: None)
-        clock.log(f"λ={lam}: coverage measured")
-        for h in heads:
-            for layer in range(lm_cfg.n_layers):
-                row = dict(**{"lambda": lam}, heads=h, layer=layer, steps=info["steps"],
-                           kl_heldout=held.kl(wl[2][h][1][layer], wl[2][h][0], layer))
-                for d in ("code", "prose"):
-                    for N in plan.lengths:
-                        row[f"cov_{d}_N{N}"] = cov[f"{d}/N{N}/layer{layer}/H{h}"][f"indexer@{plan.K}"]
-                inp = longc.inputs(wl, h, layer, plan.T)
-                cache[(lam, h, layer)] = inp        # the timing stage reuses it
-                _, _, st = f_screened(*args_of(strided(inp, stride)))
-                row.update(stats_summary(st))
-                del st
-                tab.add(row)
-                clock.log(f"λ={lam} H={h} layer {layer}: KL {row['kl_heldout']:.4f} survival "
-                          f"{row['survival']:.4f} " + " ".join(
-                              f"{c}={row[c]:.4f}" for c, _ in cov_cols))
+        try:
+            params, info = trainer.run(lam)
+            clock.log(f"λ={lam}: trained {info['steps']} steps in {info['train_seconds']:.1f}s")
+            p8 = trainer.train.roundtrip_int8(params)
+            inds = {h: (weights[2][h][0], p8[str(h)]) for h in heads}
+            path = os.path.join(out, f"weights_lambda_{lam:g}.npz")
+            wl = export_and_reload(path, weights, inds, dict(
+                slack_fine_tuning=dict(lam=lam, train_preset=plan.train_preset,
+                                       train_config=repr(dataclasses.replace(tc)), **info),
+                base_weights=weights[3]))
+            files[lam] = path
+            if not lm_unchanged(weights, wl):
+                tab.error(f"λ={lam}: the exported LM differs from the base LM")
+            t_eval = clock.elapsed()
+            cov = long_context_coverage.run(["code", "prose"], list(range(lm_cfg.n_layers)),
+                                            list(plan.lengths), heads, plan.coverage_queries, Ks,
+                                            weights=wl, log=lambda s: None)
+            clock.log(f"λ={lam}: coverage measured")
+            for h in heads:
+                for layer in range(lm_cfg.n_layers):
+                    row = dict(**{"lambda": lam}, heads=h, layer=layer, steps=info["steps"],
+                               kl_heldout=held.kl(wl[2][h][1][layer], wl[2][h][0], layer))
+                    for d in ("code", "prose"):
+                        for N in plan.lengths:
+                            row[f"cov_{d}_N{N}"] = cov[f"{d}/N{N}/layer{layer}/H{h}"][f"indexer@{plan.K}"]
+                    inp = longc.inputs(wl, h, layer, plan.T)
+                    cache[(lam, h, layer)] = inp        # the timing stage reuses it
+                    _, _, st = f_screened(*args_of(strided(inp, stride)))
+                    row.update(stats_summary(st))
+                    del st
+                    tab.add(row)
+                    clock.log(f"λ={lam} H={h} layer {layer}: KL {row['kl_heldout']:.4f} survival "
+                              f"{row['survival']:.4f} " + " ".join(
+                                  f"{c}={row[c]:.4f}" for c, _ in cov_cols))
+        except Exception as e:  # noqa: BLE001 - keep the rows so far and the other λ
+            tab.error(f"λ={lam}: {e!r}"[:500])
+            clock.log(f"λ={lam}: ERROR {e!r}")
+            continue
         eval_est = clock.elapsed() - t_eval
     chosen, met = choose(tab.rows, plan.lambdas, plan.coverage_tolerance)
-    results.update(chosen_lambda=chosen, coverage_target_met=met)
     tab.notes.append(f"chosen λ = {chosen:g} (coverage within {plan.coverage_tolerance * 100:g} "
                      f"points of λ=0 everywhere: {'yes' if met else 'NO'}); its weights: "
                      f"{WEIGHTS_NAME}")
