@@ -36,7 +36,7 @@ Everything is written to ``$OUT/slack_finetune.{md,json}`` after every row, with
 timestamped progress log; ``--budget-seconds`` bounds the whole run (stages that no
 longer fit are skipped and listed as errors).
 
-Budget of the defaults on one H200 (≈ 9 min, ``--budget-seconds 530``): setup ≈ 30 s
+Budget of the defaults on one H200 (≈ 9 min with start-up, ``--budget-seconds 500``): setup ≈ 30 s
 (held-out crops, the 1M-token hidden states); the step's compilation (KL and eight
 slack terms) once, ≈ 60–100 s; 4 λ × 40 s of steps; per λ ≈ 25 s of measurements
 (coverage at 128K and 1M, eight survival calls at T = 16K, N = 1M), plus ≈ 40 s of
@@ -91,7 +91,7 @@ class Plan(NamedTuple):
     kl_crops: int = 1                              # held-out crops per domain
     repeats: int = 3
     warmup: int = 1
-    budget_seconds: float = 530.0
+    budget_seconds: float = 500.0
     timing_reserve: float = 60.0                   # seconds kept for the timing stage
     coverage_tolerance: float = 0.005
 
@@ -374,6 +374,7 @@ def run(plan: Plan, out: str, quick: bool) -> Table:
         try:
             params, info = trainer.run(lam)
             clock.log(f"λ={lam}: trained {info['steps']} steps in {info['train_seconds']:.1f}s")
+            tab.meta.update(steps_per_lambda=trainer.total, step_ms=trainer.step_seconds * 1e3)
             p8 = trainer.train.roundtrip_int8(params)
             inds = {h: (weights[2][h][0], p8[str(h)]) for h in heads}
             path = os.path.join(out, f"weights_lambda_{lam:g}.npz")
@@ -504,6 +505,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny random model (CPU smoke run)")
     ap.add_argument("--lambdas", default="", help="comma-separated λ (default 0,0.3,1,3)")
     ap.add_argument("--seconds-per-run", type=float, default=None)
+    ap.add_argument("--steps", type=int, default=None, help="steps per λ (default: fitted to "
+                    "--seconds-per-run from the first run's timed steps)")
     ap.add_argument("--budget-seconds", type=float, default=None)
     ap.add_argument("--probe", action="store_true",
                     help="only the slack-vs-KL magnitude probe on the committed model (CPU)")
@@ -525,6 +528,10 @@ def main(argv=None) -> int:
         if not a.seconds_per_run > 0:
             ap.error(f"--seconds-per-run must be > 0, got {a.seconds_per_run}")
         plan = plan._replace(seconds_per_run=a.seconds_per_run)
+    if a.steps is not None:
+        if a.steps < 6:
+            ap.error(f"--steps must be >= 6 (the first six steps are timed), got {a.steps}")
+        plan = plan._replace(steps=a.steps)
     if a.budget_seconds is not None:
         plan = plan._replace(budget_seconds=a.budget_seconds)
     tab = run(plan, a.out, a.quick)
