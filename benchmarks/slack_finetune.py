@@ -315,6 +315,24 @@ def choose(rows, lambdas, tolerance: float):
     return best[1], best[2]
 
 
+def summarize(rows) -> dict:
+    """Per λ: the worst layer's survival, the largest coverage drop against λ = 0 (points),
+    the least dense/DoSA ratio of the timed rows."""
+    out = {}
+    base = {(r["heads"], r["layer"]): r for r in rows if r["lambda"] == 0.0}
+    for lam in sorted({r["lambda"] for r in rows}):
+        rs = [r for r in rows if r["lambda"] == lam]
+        out[f"λ={lam:g}: worst-layer survival"] = max(r["survival"] for r in rs)
+        drops = [base[(r["heads"], r["layer"])][c] - r[c] for r in rs
+                 if (r["heads"], r["layer"]) in base for c in r if c.startswith("cov_")]
+        if lam != 0.0 and drops:
+            out[f"λ={lam:g}: largest coverage drop vs λ=0 (points)"] = 100 * max(drops)
+        sp = [r["dense_over_dosa"] for r in rs if "dense_over_dosa" in r]
+        if sp:
+            out[f"λ={lam:g}: least dense/DoSA ({len(sp)} timed)"] = min(sp)
+    return out
+
+
 # ------------------------------------------------------------------------------- the run
 
 def run(plan: Plan, out: str, quick: bool) -> Table:
@@ -335,7 +353,7 @@ def run(plan: Plan, out: str, quick: bool) -> Table:
                ("clock", "clock")])
     stride = max(1, plan.T // plan.survival_queries)
     tab = Table("slack_finetune", f"Slack-regularised indexer fine-tuning: KL + λ·slack, LM frozen "
-                f"(Top-{plan.K})", cols, out, meta, notes=[
+                f"(Top-{plan.K})", cols, out, meta, summary=summarize, notes=[
                     f"fine-tune: preset {plan.train_preset} from the "
                     f"{'random tiny' if quick else 'committed'} indexers, the same steps and "
                     f"batches for every λ, H={'/'.join(str(c.n_heads) for c in tc.indexers)} "
@@ -345,8 +363,10 @@ def run(plan: Plan, out: str, quick: bool) -> Table:
                     f"cov: Top-{plan.K} attention-mass coverage (lm.long_context_coverage, last "
                     f"{plan.coverage_queries} positions)",
                     f"survival: survivors / visible in dosa_jax.topk(...).stats (backend auto, "
-                    f"dense switch off), code, N={plan.N}, {plan.T // stride} queries strided "
-                    f"by {stride} over the last {plan.T} positions",
+                    f"dense switch off), code, N={plan.N}, "
+                    + (f"the last {plan.T} positions" if stride == 1 else
+                       f"{-(-plan.T // stride)} queries strided by {stride} over the last "
+                       f"{plan.T} positions"),
                     f"timing: T={plan.T} (last positions), N={plan.N}, code, Config(top_k="
                     f"{plan.K}, seed_size={plan.seeds}, backend='auto'), median of "
                     f"{plan.repeats} calls after {plan.warmup} warm-up"])
