@@ -27,6 +27,35 @@ from dosa_jax.synthetic import GENERATORS, gaussian, structured, synthetic
 __all__ = ["DOMAINS", "GENERATORS", "gaussian", "list_fixture", "structured", "synthetic", "trained"]
 
 DOMAINS = ("code", "prose")
+#: ``trained(weights="slack")``: the slack-regularised indexers (the same LM), written to
+#: ``$OUT/lm_weights_slack.npz`` by ``python -m benchmarks.slack_finetune --out $OUT``
+SLACK_WEIGHTS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
+                                  "lm_weights_slack.npz")
+SLACK_WEIGHTS_COMMAND = "python -m benchmarks.slack_finetune --out DIR"
+
+
+def weights_file(weights: str) -> Optional[str]:
+    """The weights file ``trained(weights=...)`` reads: None for ``"committed"`` (the
+    default weights, ``dosa_jax/data/lm_weights.npz``), :data:`SLACK_WEIGHTS_PATH` for
+    ``"slack"``, else ``weights`` itself (a path to a file written by
+    ``dosa_jax.lm.checkpoint.export_weights``).
+
+    Raises:
+      FileNotFoundError: the file does not exist (for ``"slack"``: naming the command that
+        writes it).
+    """
+    if not isinstance(weights, str) or not weights:
+        raise TypeError(f"weights must be 'committed', 'slack' or a file path, got {weights!r}")
+    if weights == "committed":
+        return None
+    path = SLACK_WEIGHTS_PATH if weights == "slack" else weights
+    if not os.path.exists(path):
+        if weights == "slack":
+            raise FileNotFoundError(
+                f"weights='slack': {path} does not exist; {SLACK_WEIGHTS_COMMAND} (on a GPU) "
+                f"writes DIR/lm_weights_slack.npz, to be copied to {path}")
+        raise FileNotFoundError(f"weights={weights!r}: no such file")
+    return path
 
 
 @functools.lru_cache(maxsize=2)
@@ -59,7 +88,8 @@ def list_fixture(path: Optional[str] = None) -> list:
 def trained(domain: str = "code", layer: int = 0, *, length: Optional[int] = None,
             num_queries: Optional[int] = None, heads: int = 32,
             key_dtype: str = "float8_e4m3fn", query_dtype: str = "bfloat16", rotate: bool = True,
-            source: str = "auto", dump_dir: Optional[str] = None) -> IndexerInputs:
+            source: str = "auto", dump_dir: Optional[str] = None,
+            weights: str = "committed") -> IndexerInputs:
     """A trained indexer's inputs for causal prefill of the last ``num_queries`` positions.
 
     Args:
@@ -78,6 +108,12 @@ def trained(domain: str = "code", layer: int = 0, *, length: Optional[int] = Non
         ``"fixture"`` (error if absent) or ``"generate"``.
       dump_dir: read ``dump_<domain>_H<heads>_N<length>.npz`` written by
         ``python -m dosa_jax.lm.dump --out dump_dir`` instead.
+      weights: ``"committed"`` (the committed weights), ``"slack"`` (the slack-regularised
+        indexers of the same LM, :data:`SLACK_WEIGHTS_PATH`; FileNotFoundError naming
+        the command that writes it while it is absent) or a weights file path
+        (:func:`weights_file`). Other weights than the committed ones are always
+        generated (the fixture holds the committed weights' rows; ``source="fixture"``
+        is an error); a ``dump_dir`` dump must record their digest.
 
     Returns:
       IndexerInputs; ``meta`` records domain, layer, heads, length, positions,
@@ -89,6 +125,8 @@ def trained(domain: str = "code", layer: int = 0, *, length: Optional[int] = Non
         raise ValueError(f"domain must be one of {DOMAINS}, got {domain!r}")
     if source not in ("auto", "fixture", "generate"):
         raise ValueError(f"source must be auto, fixture or generate, got {source!r}")
+    path_w = weights_file(weights)
+    loaded = None if path_w is None else dump.load_default_weights(path_w)
     N = dump.FIXTURE_LENGTH if length is None else int(length)
     if num_queries is None:
         num_queries = dump.FIXTURE_QUERIES if length is None else min(4096, N)
@@ -108,7 +146,18 @@ def trained(domain: str = "code", layer: int = 0, *, length: Optional[int] = Non
         rows = dump.load_rows(path)
         if name not in rows:
             raise ValueError(f"{path} has no {name} (has {sorted(rows)})")
+        if loaded is not None and rows[name][3].get("weights") != loaded[4]:
+            raise ValueError(f"{path}: {name} was generated from weights "
+                             f"{rows[name][3].get('weights')}, not {path_w} ({loaded[4]})")
         return from_rows(rows, path)
+    if loaded is not None:
+        if source == "fixture":
+            raise ValueError(f"the fixture holds the committed weights' rows, not weights={weights!r}")
+        res = dump.indexer_inputs(domain, layer, length=N, num_queries=num_queries, heads=heads,
+                                  key_dtype=key_dtype, query_dtype=query_dtype, rotate=rotate,
+                                  weights=loaded)
+        res.meta["weights_file"] = path_w
+        return res
     if source != "generate" and rotate:
         path = _fixture_path()
         rows = _fixture_rows(path) if os.path.exists(path) else {}

@@ -16,6 +16,10 @@ Stages (each resumes from ``W`` if a checkpoint is there):
    on held-out crops, trained against randomly initialised indexers, recency
    and the oracle (``indexer.coverage``).
 
+``--slack LAMBDA`` adds LAMBDA · ``dosa_jax.slack.slack_loss`` of every indexer
+(on a sample of each step's queries, at the crop length) to the distillation
+KL, through ``optax.chain(dosa_jax.slack.regularizer(...), <optimizer>)``.
+
 ``--weights FILE`` starts from committed weights (skipping stage 1);
 ``--indexer-init`` then fine-tunes their indexers (preset ``h200-long``:
 distillation on 32K-token crops).
@@ -67,6 +71,13 @@ class TrainConfig:
     top_ks: Tuple[int, ...] = (64, 256, 2048)
     remat: bool = False
     seed: int = 0
+    # slack regulariser (dosa_jax.slack) in the indexer step: KL + slack_weight · slack
+    slack_weight: float = 0.0  # λ (0: the plain distillation step)
+    slack_queries: int = 64  # queries sampled per step from one crop's distillation queries
+    slack_top_k: int = 2048  # K of the certificate
+    slack_seed_size: Optional[int] = 8192  # Config.seed_size of the planner
+    slack_temperature: float = 0.1
+    slack_margin: float = 0.0
 
 
 PRESETS = {
@@ -78,7 +89,7 @@ PRESETS = {
         indexers=(IndexerConfig(n_heads=4, head_dim=16, rope_dim=8, q_rank=8, compute_dtype="float32"),
                   IndexerConfig(n_heads=8, head_dim=16, rope_dim=8, q_rank=8, compute_dtype="float32")),
         seq_len=128, lm_batch=4, lm_lr=3e-3, lm_warmup=5, idx_batch=2, idx_lr=3e-3, idx_warmup=5,
-        eval_crops=2, top_ks=(8, 32)),
+        eval_crops=2, top_ks=(8, 32), slack_queries=8, slack_top_k=8, slack_seed_size=16),
 }
 # Long-crop indexer distillation: keys up to 32K positions back, loss on the
 # last 1024 queries of each crop (the same scoring work per step as stage 2;
@@ -156,9 +167,19 @@ def lm_train_step(params, opt_state, step, total_steps, streams, tc: TrainConfig
     return _apply(params, updates, lr), opt_state, loss
 
 
-def indexer_objective(idx_params: dict, lm_params, tokens, tc: TrainConfig):
-    """Σ over head counts of the layer-mean distillation KL; also per head count."""
+def frozen_layers(lm_params, tokens, tc: TrainConfig):
+    """Every layer's (normalised input x [B, L, d], head-averaged attention) of the frozen LM."""
     _, per_layer = forward(lm_params, tokens, tc.lm, collect=True)
+    return jax.lax.stop_gradient(per_layer)
+
+
+def indexer_objective(idx_params: dict, lm_params, tokens, tc: TrainConfig, per_layer=None):
+    """Σ over head counts of the layer-mean distillation KL; also per head count.
+
+    ``per_layer``: the frozen LM's layers (:func:`frozen_layers`) when already computed.
+    """
+    if per_layer is None:
+        _, per_layer = forward(lm_params, tokens, tc.lm, collect=True)
     per_layer = jax.lax.stop_gradient(per_layer)
     losses = {}
     for cfg in tc.indexers:
@@ -169,13 +190,118 @@ def indexer_objective(idx_params: dict, lm_params, tokens, tc: TrainConfig):
     return sum(losses.values()), losses
 
 
+# ----------------------------------------------------------------------------- slack regulariser
+
+def slack_config(tc: TrainConfig):
+    """The ``dosa_jax.Config`` whose plan the slack loss differentiates (K, seeds)."""
+    import dosa_jax
+    return dosa_jax.Config(top_k=tc.slack_top_k, seed_size=tc.slack_seed_size)
+
+
+def slack_inputs(p: dict, x, positions, cfg: IndexerConfig, tc: TrainConfig) -> dict:
+    """``slack_loss`` keyword arguments of one layer's indexer on one crop.
+
+    Args:
+      p: the layer's indexer parameters (differentiated).
+      x: [L, d] the frozen LM's normalised layer input of the crop.
+      positions: [S] int32 query positions (each sees the keys [0, position]).
+
+    q [S, H, D], k [L, D], w [S, H] in float32 and Hadamard-rotated as the dumps are
+    (``dump._indexer_rows``: the grouped residual allowance is not rotation invariant).
+    """
+    from dosa_jax.lm.dump import hadamard
+    L = x.shape[0]
+    k = idx.keys(p, x[None], jnp.arange(L), cfg, dt=jnp.float32)[0]
+    q, w = idx.queries(p, x[positions][None], positions, cfg, dt=jnp.float32)
+    r = jnp.asarray(hadamard(cfg.head_dim), jnp.float32)
+    hp = jax.lax.Precision.HIGHEST
+    q = jnp.einsum("thd,de->the", q[0], r, precision=hp)
+    k = jnp.einsum("nd,de->ne", k, r, precision=hp)
+    positions = positions.astype(jnp.int32)
+    return dict(q=q, k=k, w=w[0], lo=jnp.zeros_like(positions), hi=positions + 1,
+                config=slack_config(tc), temperature=tc.slack_temperature,
+                margin=tc.slack_margin)
+
+
+def slack_batch(per_layer, seed: int, step, tc: TrainConfig) -> dict:
+    """The regulariser's ``batch``: one crop of the step's batch (crop ``step mod B``) and
+    ``tc.slack_queries`` of its distillation query positions, both fixed by (seed, step).
+
+    Returns ``{"x": [n_layers, L, d], "positions": [S] int32}``.
+    """
+    xs = jnp.stack([x for x, _ in per_layer])               # [n_layers, B, L, d]
+    B, L = xs.shape[1], xs.shape[2]
+    crop = jnp.asarray(step, jnp.int32) % B
+    x = jax.lax.dynamic_index_in_dim(xs, crop, axis=1, keepdims=False)
+    idx.query_blocks(tc.lm, L, tc.idx_tail_blocks)          # validates L
+    C, W = tc.lm.block, tc.lm.window
+    tail = tc.idx_tail_blocks
+    first = (W // C if tail <= 0 else max(W // C, L // C - tail)) * C
+    n = L - first
+    S = min(tc.slack_queries, n)
+    key = jax.random.fold_in(jax.random.PRNGKey(seed + 2), step)
+    pos = first + jax.random.choice(key, n, (S,), replace=False)
+    return dict(x=x, positions=jnp.sort(pos).astype(jnp.int32))
+
+
+def slack_objective(idx_params: dict, batch: dict, tc: TrainConfig):
+    """Σ over head counts of the layer-mean slack loss (the regularised term, per head count)."""
+    from dosa_jax.slack import slack_loss
+    out = {}
+    for cfg in tc.indexers:
+        layers = idx_params[str(cfg.n_heads)]
+        vals = [slack_loss(**slack_inputs(p, batch["x"][li], batch["positions"], cfg, tc))
+                for li, p in enumerate(layers)]
+        out[str(cfg.n_heads)] = sum(vals) / len(vals)
+    return sum(out.values()), out
+
+
+def slack_enabled(tc: TrainConfig, slack_weight=None) -> bool:
+    return slack_weight is not None or tc.slack_weight != 0
+
+
+def make_indexer_optimizer(params, tc: TrainConfig, slack_weight=None):
+    """The indexer optimizer: with the slack term enabled, ``optax.chain`` of one
+    ``dosa_jax.slack.regularizer`` per (head count, layer), weight λ / n_layers (the
+    layer mean, like the KL), then :func:`make_optimizer`.
+
+    λ is ``slack_weight`` when given (an array: one compilation serves every λ, and λ = 0
+    leaves the updates bitwise unchanged), else ``tc.slack_weight`` (a static number). The
+    regularisers' ``update`` needs ``batch=`` (:func:`slack_batch`).
+    """
+    base = make_optimizer(params, tc)
+    if not slack_enabled(tc, slack_weight):
+        return base
+    from dosa_jax.slack import regularizer
+    n = tc.lm.n_layers
+    if slack_weight is None:
+        weight = tc.slack_weight / n
+    else:
+        weight = lambda count: jnp.asarray(slack_weight, jnp.float32) / n
+    regs = []
+    for cfg in tc.indexers:
+        for li in range(n):
+            def fn(p, batch, cfg=cfg, li=li):
+                return slack_inputs(p[str(cfg.n_heads)][li], batch["x"][li], batch["positions"],
+                                    cfg, tc)
+            regs.append(regularizer(fn, weight))
+    return optax.chain(*regs, base)
+
+
 @partial(jax.jit, static_argnames=("tc",), donate_argnums=(0, 1))
-def indexer_train_step(idx_params, opt_state, lm_params, step, total_steps, streams, tc: TrainConfig):
+def indexer_train_step(idx_params, opt_state, lm_params, step, total_steps, streams, tc: TrainConfig,
+                       slack_weight=None):
+    """One indexer step (LM frozen): KL distillation, plus λ · slack through the optimizer
+    chain when enabled (``slack_weight`` or ``tc.slack_weight``; see
+    :func:`make_indexer_optimizer`)."""
     tokens = sample_batch(tc.seed + 1, step, streams, tc.idx_batch, tc.idx_seq_len or tc.seq_len)
+    slack = slack_enabled(tc, slack_weight)
+    per_layer = frozen_layers(lm_params, tokens, tc) if slack else None
     (loss, parts), grads = jax.value_and_grad(indexer_objective, has_aux=True)(
-        idx_params, lm_params, tokens, tc)
-    opt = make_optimizer(idx_params, tc)
-    updates, opt_state = opt.update(grads, opt_state, idx_params)
+        idx_params, lm_params, tokens, tc, per_layer)
+    opt = make_indexer_optimizer(idx_params, tc, slack_weight)
+    extra = dict(batch=slack_batch(per_layer, tc.seed, step, tc)) if slack else {}
+    updates, opt_state = opt.update(grads, opt_state, idx_params, **extra)
     lr = lr_at(step, total_steps, tc.idx_lr, tc.idx_warmup, 0.1)
     return _apply(idx_params, updates, lr), opt_state, parts
 
@@ -276,7 +402,7 @@ def train_indexers(tc: TrainConfig, workdir: str, lm_params, *, steps=None, seco
                 raise ValueError(f"init indexer H={c.n_heads} has config {init[c.n_heads][0]}, "
                                  f"expected {c}")
         params = {str(c.n_heads): init[c.n_heads][1] for c in tc.indexers}
-    opt_state = make_optimizer(params, tc).init(params)
+    opt_state = make_indexer_optimizer(params, tc).init(params)
     start, total, prior = 0, None, {}
     if os.path.exists(path):
         (params, opt_state), prior = checkpoint.load_tree(path, (params, opt_state))
@@ -286,7 +412,9 @@ def train_indexers(tc: TrainConfig, workdir: str, lm_params, *, steps=None, seco
     log(f"[indexer] {num_params(params) / 1e6:.2f}M parameters "
         f"({', '.join(f'H={h}: {num_params(p) / 1e6:.2f}M' for h, p in params.items())}); "
         f"{tc.idx_batch}x{tc.idx_seq_len or tc.seq_len} tokens/step, "
-        f"{'last %d query blocks' % tc.idx_tail_blocks if tc.idx_tail_blocks else 'second-half queries'}")
+        f"{'last %d query blocks' % tc.idx_tail_blocks if tc.idx_tail_blocks else 'second-half queries'}"
+        + (f"; slack regulariser λ={tc.slack_weight}, {tc.slack_queries} queries/step, "
+           f"K={tc.slack_top_k}" if slack_enabled(tc) else ""))
 
     def step_fn(state, step, total):
         p, o = state
@@ -401,8 +529,14 @@ def main(argv=None):
                     help="indexer stage: start from the indexers in --weights (fine-tuning)")
     ap.add_argument("--metrics", default=None, help="write the evaluation JSON here")
     ap.add_argument("--eval-crops", type=int, default=None)
+    ap.add_argument("--slack", type=float, default=None, metavar="LAMBDA",
+                    help="indexer stage: add LAMBDA · slack loss (dosa_jax.slack) to the KL")
     a = ap.parse_args(argv)
     tc = PRESETS[a.preset]
+    if a.slack is not None:
+        if not (a.slack >= 0 and np.isfinite(a.slack)):
+            ap.error(f"--slack must be a finite number >= 0, got {a.slack}")
+        tc = dataclasses.replace(tc, slack_weight=float(a.slack))
     log(f"jax {jax.__version__} on {jax.devices()[0].platform} ({jax.devices()[0].device_kind}); "
         f"preset {a.preset}")
     t_all = time.time()

@@ -1,0 +1,72 @@
+"""benchmarks.slack_finetune: the --quick CPU smoke run end to end, and the λ choice."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from benchmarks import slack_finetune as sf
+from dosa_jax.lm import checkpoint
+
+
+def test_quick_run_writes_rows_weights_and_timings(tmp_path):
+    out = str(tmp_path)
+    assert sf.main(["--quick", "--out", out]) == 0
+    with open(os.path.join(out, "slack_finetune.json")) as f:
+        res = json.load(f)
+    rows = res["rows"]
+    plan = sf.QUICK
+    n_layers = 2
+    assert len(rows) == len(plan.lambdas) * len(plan.heads) * n_layers
+    for r in rows:
+        assert r["steps"] == plan.steps
+        assert math.isfinite(r["kl_heldout"]) and r["kl_heldout"] >= 0
+        for N in plan.lengths:
+            for d in ("code", "prose"):
+                assert 0.0 <= r[f"cov_{d}_N{N}"] <= 1.0 + 1e-6
+        assert 0.0 < r["survival"] <= 1.0
+    chosen = res["meta"]["chosen_lambda"]
+    assert chosen in plan.lambdas
+    timed = [r for r in rows if "dosa_ms" in r]
+    assert {r["lambda"] for r in timed} == {chosen, 0.0}
+    assert len(timed) == 2 * len(plan.heads) * n_layers
+    assert all(r["bitwise"] is True and r["dosa_ms"] > 0 and r["dense_ms"] > 0 for r in timed)
+    # the chosen λ's weights: the base LM unchanged bit for bit, the indexers fine-tuned
+    _, lm_b, ind_b, _ = checkpoint.load_weights(os.path.join(out, "quick_base_weights.npz"))
+    _, lm_s, ind_s, meta = checkpoint.load_weights(os.path.join(out, sf.WEIGHTS_NAME))
+    eq = lambda a, b: all(bool(jnp.all(x == y)) for x, y in
+                          zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+    assert eq(lm_b, lm_s)
+    assert not eq(ind_b[4][1], ind_s[4][1])
+    assert meta["slack_fine_tuning"]["lam"] == chosen
+    assert os.path.exists(os.path.join(out, "slack_finetune.md"))
+
+
+def _rows(lam, cov, surv):
+    return [{"lambda": lam, "heads": 32, "layer": i, "cov_code_N1": c, "survival": s}
+            for i, (c, s) in enumerate(zip(cov, surv))]
+
+
+def test_choice_is_the_lowest_survival_within_the_coverage_tolerance():
+    rows = (_rows(0.0, [0.90, 0.80], [0.5, 0.4]) + _rows(0.1, [0.899, 0.799], [0.3, 0.3])
+            + _rows(1.0, [0.897, 0.797], [0.1, 0.2]) + _rows(3.0, [0.85, 0.80], [0.01, 0.01]))
+    assert sf.choose(rows, (0.0, 0.1, 1.0, 3.0), 0.005) == (1.0, True)
+    assert sf.choose(rows, (0.0, 0.1, 1.0, 3.0), 0.002) == (0.1, True)
+    # none within tolerance: the least coverage drop, flagged
+    assert sf.choose(rows, (0.0, 3.0), 0.005) == (3.0, False)
+    assert sf.choose(rows, (0.0, 1.0, 3.0), 0.0001) == (1.0, False)
+    assert sf.choose(_rows(0.0, [0.9], [0.5]), (0.0,), 0.005) == (0.0, True)
+
+
+def test_bad_lambdas_are_rejected():
+    for bad in ("", "a,b", "-1", "0,nan"):
+        with pytest.raises(ValueError, match="--lambdas"):
+            sf.parse_lambdas(bad)
+    assert sf.parse_lambdas("0, 0.5,2") == (0.0, 0.5, 2.0)
+    assert sf.length_label(1048576) == "1M" and sf.length_label(131072) == "128K"
+    assert sf.length_label(512) == "512"

@@ -1,0 +1,88 @@
+"""The slack regulariser in the indexer training step (dosa_jax.lm.train), tiny model, CPU.
+
+λ = 0 must leave the distillation step unchanged bit for bit (the regulariser with weight
+0 is the identity), and λ > 0 must lower the slack loss the step was not trained on
+(a held-out batch) relative to λ = 0 on the same batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from dosa_jax.lm import indexer as idx
+from dosa_jax.lm import train
+from dosa_jax.lm.model import init_lm
+from dosa_jax.slack import RegularizerState
+
+TC = dataclasses.replace(train.PRESETS["tiny"], indexers=train.PRESETS["tiny"].indexers[:1])
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def setup():
+    lm = init_lm(jax.random.PRNGKey(0), TC.lm)
+    c = TC.indexers[0]
+    params = {str(c.n_heads): idx.init_indexers(jax.random.PRNGKey(1), TC.lm, c)}
+    return lm, params, train.device_streams("train")
+
+
+def _run(setup, tc, weight=None, steps=STEPS):
+    lm, params, streams = setup
+    p = jax.tree_util.tree_map(jnp.array, params)
+    w = () if weight is None else (jnp.float32(weight),)
+    o = train.make_indexer_optimizer(p, tc, *w).init(p)
+    for s in range(steps):
+        p, o, parts = train.indexer_train_step(p, o, lm, jnp.int32(s), jnp.int32(steps), streams,
+                                               tc, *w)
+    return p, o
+
+
+def _equal(a, b):
+    return jax.tree_util.tree_all(jax.tree_util.tree_map(lambda x, y: bool(jnp.all(x == y)), a, b))
+
+
+def test_zero_weight_reproduces_the_distillation_step(setup):
+    plain, o_plain = _run(setup, TC, steps=3)
+    zero, o_zero = _run(setup, TC, weight=0.0, steps=3)
+    assert _equal(plain, zero)
+    # the regularisers are in the chain (one per layer), and they counted the steps
+    regs = [s for s in o_zero if isinstance(s, RegularizerState)]
+    assert len(regs) == TC.lm.n_layers and all(int(s.count) == 3 for s in regs)
+    assert not any(isinstance(s, RegularizerState) for s in o_plain)
+
+
+def test_positive_weight_lowers_the_slack_loss(setup):
+    lm, _, streams = setup
+    tokens = train.sample_batch(1234, 0, streams, TC.idx_batch, TC.seq_len)
+    batch = train.slack_batch(train.frozen_layers(lm, tokens, TC), 99, 0, TC)
+    plain, _ = _run(setup, TC)
+    reg, _ = _run(setup, dataclasses.replace(TC, slack_weight=100.0))  # the --slack path
+    s_plain = float(train.slack_objective(plain, batch, TC)[0])
+    s_reg = float(train.slack_objective(reg, batch, TC)[0])
+    assert s_reg < 0.97 * s_plain, (s_reg, s_plain)
+    assert not _equal(plain, reg)
+
+
+def test_slack_batch_samples_distillation_queries(setup):
+    lm, _, streams = setup
+    tokens = train.sample_batch(7, 0, streams, TC.idx_batch, TC.seq_len)
+    per_layer = train.frozen_layers(lm, tokens, TC)
+    b = train.slack_batch(per_layer, 0, 3, TC)
+    pos = b["positions"]
+    assert b["x"].shape == (TC.lm.n_layers, TC.seq_len, TC.lm.d_model)
+    assert bool(jnp.all(b["x"][0] == per_layer[0][0][3 % TC.idx_batch]))
+    assert pos.shape == (TC.slack_queries,) and len(set(pos.tolist())) == TC.slack_queries
+    assert int(pos.min()) >= TC.lm.window and int(pos.max()) < TC.seq_len
+    kw = train.slack_inputs(setup[1]["4"][0],
+                            b["x"][0], pos, TC.indexers[0], TC)
+    assert kw["q"].shape == (TC.slack_queries, 4, 16) and kw["k"].shape == (TC.seq_len, 16)
+    assert bool(jnp.all(kw["hi"] == pos + 1)) and bool(jnp.all(kw["lo"] == 0))
+
+
+def test_cli_rejects_a_negative_lambda(tmp_path):
+    with pytest.raises(SystemExit):
+        train.main(["--preset", "tiny", "--workdir", str(tmp_path), "--slack", "-1"])
