@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu.sh [STAGE ...]      (default: tests headline matrix)
 #
 # Stages: tests | headline | matrix | matrix1m | matrix1m64 | matrix128k | kernels | select
+# | context_parallel (CP_ARGS adds options, e.g. --queries 4096)
 # (matrix1m: the H = 32 cases at N = 1M; matrix1m64: the H = 64 cases; matrix128k: all 16 at
 # N = 128K; matrix: everything, longer than one 10-minute device call). Each stage
 # runs under its own timeout (seconds; TESTS_TIMEOUT, HEADLINE_TIMEOUT, MATRIX_TIMEOUT) so a
@@ -48,7 +49,9 @@ for s in $stages; do
       --tag 128k --out "$OUT" $MATRIX_ARGS ;;
     kernels) run kernels "${KERNELS_TIMEOUT:-300}" python -m benchmarks kernels --out "$OUT" ;;
     select) run select "${SELECT_TIMEOUT:-200}" python -m benchmarks select --out "$OUT" ;;
-    *) echo "gpu.sh: unknown stage $s (tests headline matrix matrix1m matrix1m64 matrix128k kernels select)" >&2
+    context_parallel) run context_parallel "${CP_TIMEOUT:-580}" python -m benchmarks.context_parallel \
+      --out "$OUT" $CP_ARGS ;;
+    *) echo "gpu.sh: unknown stage $s (tests headline matrix matrix1m matrix1m64 matrix128k kernels select context_parallel)" >&2
        exit 2 ;;
   esac
 done

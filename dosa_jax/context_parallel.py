@@ -178,23 +178,26 @@ def local_pass(q, k, w, k_scale, lo, hi, config: Config, *, hint=None,
 
     Returns (global ids [T, K], scores [T, K], per-device Stats, τ [T], offset): the exact
     Top-K of this device's seeds and keys scoring ≥ τ. ``share_threshold=False`` starts
-    from the local seeds' τ alone (τ then −inf; for measuring what sharing buys).
+    from the local seeds' τ alone (τ then −inf; for measuring what sharing buys). On a
+    1-device axis the local seeds are the global seeds: no collective, τ is the pipeline's.
     """
     axis = config.context_axis
     n_local = k.shape[0]
-    _, _, offset = axis_geometry(axis, n_local)
+    P, _, offset = axis_geometry(axis, n_local)
     lo_l, hi_l = local_ranges(lo, hi, offset, n_local)
     local_cfg = config.replace(context_axis=None)
     hint_l = None if hint is None else to_local_ids(hint.astype(jnp.int32), offset, n_local)
-    if share_threshold:
-        tau = shared_seed_threshold(q, w, k, k_scale, lo, hi, offset, config, axis)
-    else:
-        tau = jnp.full(lo.shape, -jnp.inf, jnp.float32)
+    # one device: its own seeds are the global seeds, the pipeline's τ is the shared one
+    share = share_threshold and P > 1
+    tau = (shared_seed_threshold(q, w, k, k_scale, lo, hi, offset, config, axis) if share
+           else jnp.full(lo.shape, -jnp.inf, jnp.float32))
     q, k, w, k_scale, lo_l, hi_l, tau = same_varying_axes(q, k, w, k_scale, lo_l, hi_l, tau)
     if hint_l is not None:
         hint_l = same_varying_axes(hint_l, q)[0]
     idx, sc, stats = dosa_topk_reference(q, k, w, k_scale, lo_l, hi_l, local_cfg, hint=hint_l,
-                                         tau_floor=tau if share_threshold else None)
+                                         tau_floor=tau if share else None)
+    if share_threshold and not share:
+        tau = stats.tau_seed
     return to_global_ids(idx, offset), sc, stats, tau, offset
 
 
@@ -228,8 +231,9 @@ def merge_tree(idx, sc, K: int, axis: str, P: int):
 
 def merge_candidates(idx, sc, config: Config, P: int):
     """Exact global Top-K of the per-device lists by ``config.context_merge``."""
-    tree = config.context_merge == "tree" and P > 1 and (P & (P - 1)) == 0
-    if tree:
+    if P == 1:
+        return idx, sc
+    if config.context_merge == "tree" and (P & (P - 1)) == 0:
         return merge_tree(idx, sc, config.top_k, config.context_axis, P)
     return merge_gather(idx, sc, config.top_k, config.context_axis)
 
@@ -422,14 +426,17 @@ def collective_bytes_per_query(P: int, config: Config, *, dense: bool = False) -
     """Bytes each device contributes per query to each collective (operand sizes), by phase:
     ``seed_threshold`` (all-reduce, 4·S_pad), ``merge`` (all-gather of 8K, or log2 P
     ``ppermute`` of 8K for a tree), ``replicate`` (all-reduce of 4·(2K + 6); 8K for dense),
-    ``stats`` (all-reduce of 4·7). An all-gather's result is P times its operand."""
+    ``stats`` (all-reduce of 4·7). An all-gather's result is P times its operand. With P = 1
+    there is no seed all-reduce and no merge."""
     K = config.top_k
     S_pad = round_up_to(config.seeds(), config.key_block)
-    tree = config.context_merge == "tree" and P > 1 and (P & (P - 1)) == 0
+    tree = config.context_merge == "tree" and (P & (P - 1)) == 0
     merge = {"collective-permute": 8 * K * int(math.log2(P))} if tree else {"all-gather": 8 * K}
+    if P == 1:   # the local answer is the global one; only the replication remains
+        merge = {}
     if dense:
         return {"merge": merge, "replicate": {"all-reduce": 8 * K}}
-    return {"seed_threshold": {"all-reduce": 4 * S_pad}, "merge": merge,
+    return {"seed_threshold": {"all-reduce": 4 * S_pad} if P > 1 else {}, "merge": merge,
             "replicate": {"all-reduce": 4 * (2 * K + len(MAXED))},
             "stats": {"all-reduce": 4 * len(SUMMED)}}
 

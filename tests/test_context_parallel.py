@@ -245,25 +245,19 @@ def test_context_axis_validated():
         dosa_jax.Config(context_merge="ring")
 
 
-def test_context_axis_outside_shard_map_raises():
+@pytest.mark.parametrize("backend, error, match", [
+    ("reference", ValueError, "context_axis='cp'"),      # not inside a shard_map over 'cp'
+    # the Pallas kernels cannot answer under context_axis: NotImplementedError, so that
+    # backend='auto' falls back to the reference
+    ("pallas", NotImplementedError, "context_axis"),
+])
+def test_context_axis_errors(backend, error, match):
     import jax.numpy as jnp
     import dosa_jax
     q, k, w = jnp.ones((2, 2, 4)), jnp.ones((64, 4)), jnp.ones((2, 2))
-    cfg = dosa_jax.Config(top_k=4, context_axis="cp", backend="reference")
+    cfg = dosa_jax.Config(top_k=4, context_axis="cp", backend=backend)
     for fn in (dosa_jax.topk, dosa_jax.dense_topk):
-        with pytest.raises(ValueError, match="context_axis='cp'"):
-            fn(q, k, w, config=cfg)
-
-
-def test_pallas_under_context_axis_not_implemented():
-    """backend='pallas' cannot answer under context_axis: NotImplementedError (so 'auto' falls
-    back to the reference)."""
-    import jax.numpy as jnp
-    import dosa_jax
-    q, k, w = jnp.ones((2, 2, 4)), jnp.ones((64, 4)), jnp.ones((2, 2))
-    cfg = dosa_jax.Config(top_k=4, context_axis="cp", backend="pallas")
-    for fn in (dosa_jax.topk, dosa_jax.dense_topk):
-        with pytest.raises(NotImplementedError, match="context_axis"):
+        with pytest.raises(error, match=match):
             fn(q, k, w, config=cfg)
 
 
