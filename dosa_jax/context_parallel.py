@@ -301,10 +301,25 @@ def _differentiable(q, k, w, k_scale, idx, sc, offset, axis):
 
 # ---- the public entries (validated config with top_k) --------------------------------------
 
+def _varying_over(x, axis: str) -> bool:
+    """Whether ``x``'s type varies over mesh axis ``axis`` (False without such types)."""
+    aval = jax.typeof(x) if hasattr(jax, "typeof") else None
+    mat = getattr(aval, "mat", None)
+    axes = getattr(mat, "varying", None) if mat is not None else getattr(aval, "vma", None)
+    return axis in (axes or ())
+
+
 def _validate(q, k, w, k_scale, lo, hi, config: Config):
-    """Checked arrays with global ranges; (P, offset) of this device."""
+    """Checked arrays with global ranges, and P."""
+    k_given = k
     q, k, w, k_scale, _, _ = check_inputs(q, k, w, k_scale)
-    P, _, _ = axis_geometry(config.context_axis, k.shape[0])
+    axis = config.context_axis
+    P, d, _ = axis_geometry(axis, k.shape[0])
+    # with varying-axes types (check_vma), a k replicated over the axis is not a slice
+    if P > 1 and _varying_over(d, axis) and not _varying_over(k_given, axis):
+        raise ValueError(f"k must be this device's slice of keys sharded along "
+                         f"Config.context_axis={axis!r} (in_specs P({axis!r}) for k); it is "
+                         f"replicated over {axis!r}")
     lo, hi = _check_global_ranges(lo, hi, q.shape[0], P * k.shape[0])
     return q, k, w, k_scale, lo, hi, P
 

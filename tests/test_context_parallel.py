@@ -31,6 +31,8 @@ CASES = {
     "mesh8_tree": "8 devices, DoSA, tree merge",
     "mesh8_dense": "8 devices, dense_topk: bitwise unsharded dense_topk",
     "mesh2x4_queries": "2 x 4 mesh: queries sharded on 'q', keys on 'cp'",
+    "mesh3x2_ragged_queries": "3 x 2 mesh: T = 16 queries over a query axis of 3 (padded)",
+    "replicated_k_raises": "a k replicated over the context axis raises ValueError",
     "fp8_mesh4": "FP8 keys with scales, 4 devices",
     "user_shard_map": "topk and dense_topk with Config(context_axis) inside a user's shard_map, "
                       "replicated out_specs (default check_vma)",
@@ -139,6 +141,8 @@ def _child():
     run("mesh8_dense", mesh(8), cfg, dense=True)
     run("mesh2x4_queries", Mesh(np.array(devs).reshape(2, 4), ("q", "cp")), cfg,
         query_axis="q")
+    run("mesh3x2_ragged_queries", Mesh(np.array(devs[:6]).reshape(3, 2), ("q", "cp")), cfg,
+        query_axis="q")
 
     # shared τ: the unsharded seed τ wherever that one prunes, and never above τ*
     problems = []
@@ -185,6 +189,11 @@ def _child():
     r = [_same(dosa_jax.TopKResult(ia, sa, None), want),
          _same(dosa_jax.TopKResult(ib, sb, None), want)]
     _report("user_shard_map", all(x[0] for x in r), r)
+    try:
+        jax.jit(sm(body, mesh=m4, in_specs=(P(),) * 5, out_specs=P())).lower(q, kpad, w, lo, hi)
+        _report("replicated_k_raises", False, "no error")
+    except ValueError as e:
+        _report("replicated_k_raises", "replicated over 'cp'" in str(e), e)
 
     # gradients of the selected scores (weighted sum) wrt q, k, w
     ct = jnp.asarray(rng.standard_normal((T, K)), jnp.float32)
