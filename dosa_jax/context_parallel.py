@@ -29,6 +29,9 @@ Three phases, one idea each:
    values) types the result as replicated along the axis, so ``out_specs`` may
    leave the axis out.
 
+On a 1-device axis the local seeds are the global seeds and the local answer is the
+global one: phases 1 and 3 are skipped (the replicating all-reduce remains).
+
 Collective payloads per query (int32 words of 4 bytes, :func:`collective_bytes_per_query`):
 seeds 4·S_pad (all-reduce); merge 8K (all-gather, result 8K·P) or log2 P exchanges of
 8K; replication 4·(2K + 6) (all-reduce max, with the max-combined statistics); 4·7
@@ -38,7 +41,8 @@ Statistics (``Stats``): ``visible``, ``seeds``, ``screened``, ``survivors``,
 ``records``, ``overflows``, ``recoveries`` are summed over devices; ``rounds``,
 ``budget``, ``dense`` are the maximum over devices; ``pruning`` holds when every
 device prunes; ``tau_seed`` is the shared threshold τ of phase 1 (each device starts
-at or above it); ``tau_final`` is the K-th selected score.
+at or above it; on one device the pipeline's seed τ); ``tau_final`` is the K-th selected
+score.
 
 Gradients: ``scores`` carry the derivative of the selected keys' scores (as the
 unsharded call's, ``dosa_jax.autodiff``): each device differentiates the ids it holds
