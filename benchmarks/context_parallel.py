@@ -74,24 +74,17 @@ def pruning_child(path: str, devices: int, K: int) -> list:
     """Per-device survivors with the shared τ and with local seeds only (CPU mesh)."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import Mesh, PartitionSpec as P
+    from jax.sharding import Mesh
     from dosa_jax import context_parallel as cp
-    from dosa_jax.inputs import check_inputs
 
     rows = []
     data = np.load(path, allow_pickle=False)
     names = sorted({n.split("/")[0] for n in data.files})
     mesh = Mesh(np.array(jax.devices()[:devices]), ("cp",))
-    cfg = _config(K).replace(context_axis="cp")
-    sm = getattr(jax, "shard_map")
-    fns = {}
-    for share in (True, False):
-        def body(q, k, w, s, lo, hi, share=share):
-            qq, kk, ww, ss, _, _ = check_inputs(q, k, w, s)
-            _, _, st, tau, _ = cp.local_pass(qq, kk, ww, ss, lo, hi, cfg, share_threshold=share)
-            return (st.survivors[None], st.screened[None], st.tau_seed[None])
-        fns[share] = jax.jit(sm(body, mesh=mesh, in_specs=(P(), P("cp"), P(), P("cp"), P(), P()),
-                                out_specs=P("cp")))
+    cfg = _config(K)
+    fns = {share: jax.jit(lambda q, k, w, s, lo, hi, share=share: cp.per_device_stats(
+        q, k, w, k_scale=s, lo=lo, hi=hi, mesh=mesh, config=cfg, share_threshold=share))
+        for share in (True, False)}
     for name in names:
         g = lambda f: jnp.asarray(data[f"{name}/{f}"])
         q, k, s, w, lo, hi = (g(f) for f in ("q", "k", "k_scale", "w", "lo", "hi"))
@@ -101,8 +94,10 @@ def pruning_child(path: str, devices: int, K: int) -> list:
         n = k.shape[0] - k.shape[0] % devices     # a whole number of keys per device
         k, s, hi = k[:n], s[:n], jnp.minimum(hi, n)
         t0 = time.time()
-        res = {share: [np.asarray(v) for v in fns[share](q, k, w, s, lo, hi)]
-               for share in (True, False)}
+        res = {}
+        for share in (True, False):
+            st = fns[share](q, k, w, s, lo, hi)
+            res[share] = [np.asarray(v) for v in (st.survivors, st.screened, st.tau_seed)]
         sv_s, sc_s, tau_s = res[True]
         sv_l, _, tau_l = res[False]
         per_dev = [dict(device=d, screened=int(sc_s[d].sum()), survivors_shared=int(sv_s[d].sum()),

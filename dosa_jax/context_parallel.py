@@ -78,6 +78,7 @@ from dosa_jax.selection import INT32_MIN, key_to_score, order_key, select_record
 from dosa_jax.tiling import map_query_tiles, round_up_to
 
 __all__ = ["collective_bytes", "collective_bytes_per_query", "dense_topk", "local_pass",
+           "per_device_stats",
            "shared_seed_threshold", "sharded_topk", "topk"]
 
 #: Statistics summed over devices, and combined by maximum (``pruning`` as its negation).
@@ -437,6 +438,29 @@ def sharded_topk(q, k, w, *, mesh, axis: str = "cp", query_axis: Optional[str] =
     if tpad != T:
         res = jax.tree_util.tree_map(lambda x: x[:T], res)
     return res
+
+
+def per_device_stats(q, k, w, *, mesh, axis: str = "cp", k_scale=None, lo=None, hi=None,
+                     config: Config, share_threshold: bool = True) -> Stats:
+    """Each device's own local-pass Stats ([P, T] arrays, row d = device d) for keys sharded
+    along ``axis`` (N a multiple of its size): what the shared τ (or, with
+    ``share_threshold=False``, the local seeds alone) leaves each device to score."""
+    config = config.replace(context_axis=axis)
+    q, k, w, k_scale, lo, hi = check_inputs(q, k, w, k_scale, lo, hi)
+    if k.shape[0] % mesh.shape[axis]:
+        raise ValueError(f"k has {k.shape[0]} keys, not a multiple of mesh axis {axis!r} "
+                         f"of size {mesh.shape[axis]}")
+    ks = PartitionSpec(axis)
+    scale = () if k_scale is None else (k_scale,)
+
+    def body(q, k, w, lo, hi, *s):
+        st = local_pass(q, k, w, s[0] if s else None, lo, hi, config,
+                        share_threshold=share_threshold)[2]
+        return jax.tree_util.tree_map(lambda x: x[None], st)
+
+    specs = (PartitionSpec(), ks, PartitionSpec(), PartitionSpec(), PartitionSpec()) + (
+        (ks,) if scale else ())
+    return _shard_map()(body, mesh=mesh, in_specs=specs, out_specs=ks)(q, k, w, lo, hi, *scale)
 
 
 # ---- collective payloads ------------------------------------------------------------------

@@ -37,6 +37,8 @@ CASES = {
     "user_shard_map": "topk and dense_topk with Config(context_axis) inside a user's shard_map, "
                       "replicated out_specs (default check_vma)",
     "shared_tau": "shared τ equals the unsharded seed τ and is never above τ*",
+    "shared_tau_prunes_more": "per device, the shared τ leaves no more survivors than the "
+                              "local seeds' τ (and fewer on some device)",
     "bytes_gather": "collective bytes of the gather merge equal the formula",
     "bytes_tree": "collective bytes of the tree merge equal the formula",
     "gradients": "gradients of the selected scores wrt q, k, w equal the unsharded call's",
@@ -157,6 +159,13 @@ def _child():
         if not np.array_equal(np.asarray(g.stats.visible), np.asarray(want.stats.visible)):
             problems.append(f"P={n}: visible != unsharded visible")
     _report("shared_tau", not problems, problems)
+
+    # per device: survivors with the shared τ against the local seeds' τ alone
+    per = {share: cp.per_device_stats(q, k[:1000], w, lo=lo, hi=hi, mesh=mesh(8), config=cfg,
+                                      share_threshold=share) for share in (True, False)}
+    sv = {share: np.asarray(st.survivors).sum(axis=1) for share, st in per.items()}
+    _report("shared_tau_prunes_more", np.all(sv[True] <= sv[False]) and np.any(sv[True] < sv[False]),
+            f"survivors per device shared {sv[True].tolist()} local {sv[False].tolist()}")
 
     for name, c, config in (("bytes_gather", c8, cfg),
                             ("bytes_tree", c8t, cfg.replace(context_merge="tree"))):
