@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu.sh [STAGE ...]      (default: tests headline matrix)
 #
 # Stages: tests | headline | matrix | matrix1m | matrix1m64 | matrix128k | kernels | select |
-# agreement
+# agreement | context_parallel (CP_ARGS adds options, e.g. --queries 4096)
 # (matrix1m: the H = 32 cases at N = 1M; matrix1m64: the H = 64 cases; matrix128k: all 16 at
 # N = 128K; matrix: everything, longer than one 10-minute device call). Each stage
 # runs under its own timeout (seconds; TESTS_TIMEOUT, HEADLINE_TIMEOUT, MATRIX_TIMEOUT) so a
@@ -50,7 +50,9 @@ for s in $stages; do
     kernels) run kernels "${KERNELS_TIMEOUT:-300}" python -m benchmarks kernels --out "$OUT" ;;
     select) run select "${SELECT_TIMEOUT:-200}" python -m benchmarks select --out "$OUT" ;;
     agreement) run agreement "${AGREEMENT_TIMEOUT:-200}" python -m benchmarks.agreement ;;
-    *) echo "gpu.sh: unknown stage $s (tests headline matrix matrix1m matrix1m64 matrix128k kernels select agreement)" >&2
+    context_parallel) run context_parallel "${CP_TIMEOUT:-580}" python -m benchmarks.context_parallel \
+      --out "$OUT" $CP_ARGS ;;
+    *) echo "gpu.sh: unknown stage $s (tests headline matrix matrix1m matrix1m64 matrix128k kernels select agreement context_parallel)" >&2
        exit 2 ;;
   esac
 done

@@ -12,14 +12,14 @@ loads neither the language model nor the Pallas kernels.
 
 import importlib
 
-from dosa_jax.api import dense_topk, exact_topk, score, topk
+from dosa_jax.api import dense_topk, exact_topk, score, sharded_topk, topk
 from dosa_jax.config import Config
 from dosa_jax.inputs import IndexerInputs, causal_ranges
 from dosa_jax.results import Stats, TopKResult
 
 __all__ = [
     "Config", "IndexerInputs", "Stats", "TopKResult", "causal_ranges", "dense_topk",
-    "exact_topk", "score", "topk",
+    "exact_topk", "score", "sharded_topk", "topk",
 ]
 __version__ = "0.1.0"
 
@@ -29,6 +29,7 @@ SUBMODULES = (
     "dense", "diagnostics", "enclosure", "inputs", "keys", "lm", "numerics", "pipeline",
     "plan", "planner", "results", "sample", "scorer", "screen", "seeds", "selection",
     "slack", "synthetic", "tiling", "witnesses", "manual_axes",
+    "context_parallel",
 )
 
 

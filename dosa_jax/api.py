@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dosa_jax import autodiff, manual_axes, selection
+from dosa_jax import autodiff, context_parallel, manual_axes, selection
 from dosa_jax.backend import BACKENDS, candidates, resolve_backend
 from dosa_jax.config import Config
 from dosa_jax.dense import dense_topk_reference
@@ -27,7 +27,7 @@ from dosa_jax.results import Stats, TopKResult
 from dosa_jax.scorer import score_matrix
 
 __all__ = ["IMPLEMENTATIONS", "Implementation", "Stats", "TopKResult", "dense_topk",
-           "exact_topk", "implementation", "resolve_backend", "score", "topk"]
+           "exact_topk", "implementation", "resolve_backend", "score", "sharded_topk", "topk"]
 
 
 class Implementation(NamedTuple):
@@ -152,6 +152,8 @@ def topk(q, k, w, top_k=None, k_scale=None, lo=None, hi=None, config: Optional[C
       TopKResult. ``indices`` equal ``dense_topk(...).indices`` bitwise.
     """
     config = _config_with_top_k(config, top_k)
+    if config.context_axis is not None:   # keys sharded along a mesh axis, lo/hi global
+        return context_parallel.topk(q, k, w, k_scale, lo, hi, config, hint)
     q, k, w, k_scale, lo, hi = check_inputs(q, k, w, k_scale, lo, hi)
     config.budgets(q.shape[1])   # explicit budgets must fit H (raises, naming the field)
     hint = check_hint(hint, q.shape[0])
@@ -170,11 +172,24 @@ def dense_topk(q, k, w, top_k=None, k_scale=None, lo=None, hi=None,
     ``stats`` holds ``visible`` only.
     """
     config = _config_with_top_k(config, top_k)
+    if config.context_axis is not None:   # keys sharded along a mesh axis, lo/hi global
+        return context_parallel.dense_topk(q, k, w, k_scale, lo, hi, config)
     q, k, w, k_scale, lo, hi = check_inputs(q, k, w, k_scale, lo, hi)
     idx, sc = _dispatch(config.backend, "dense_topk", *_constants(q, k, w, k_scale), lo, hi,
                         config)
     idx, sc = _differentiable(q, k, w, k_scale, idx, sc)
     return TopKResult(idx, sc, {"visible": hi - lo})
+
+
+def sharded_topk(q, k, w, *, mesh, axis: str = "cp", query_axis: Optional[str] = None,
+                 k_scale=None, lo=None, hi=None, config: Optional[Config] = None, top_k=None,
+                 hint=None, dense: bool = False) -> TopKResult:
+    """Exact Top-K with the keys sharded along mesh ``axis`` (context parallel), the
+    ``jax.shard_map`` done here: :func:`dosa_jax.context_parallel.sharded_topk`. Bitwise the
+    unsharded :func:`topk` (``dense=True``: :func:`dense_topk`) on the same global arrays."""
+    return context_parallel.sharded_topk(
+        q, k, w, mesh=mesh, axis=axis, query_axis=query_axis, k_scale=k_scale, lo=lo, hi=hi,
+        config=_config_with_top_k(config, top_k), hint=hint, dense=dense)
 
 
 def score(q, k, w, k_scale=None, lo=None, hi=None, config: Optional[Config] = None):

@@ -22,6 +22,7 @@ from dosa_jax.bounds.positive import RESIDUALS
 
 SEED_STRATEGIES = ("union", "local", "sinks", "strided")
 CERTIFICATE_FORMS = ("basic", "absolute")
+CONTEXT_MERGES = ("gather", "tree")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +82,14 @@ class Config:
         (exact either way; ``Stats.dense``, ``Stats.predicted_cost``). None: the
         backend's default (``pallas_kernels.pipeline.DENSE_SWITCH``); ``inf``: always
         screen. The reference backend always screens.
+      context_axis: name of a ``shard_map`` mesh axis over which the keys are sharded
+        contiguously (context parallel, :mod:`dosa_jax.context_parallel`): ``topk`` and
+        ``dense_topk`` then take this device's key slice with global ``lo``/``hi`` and
+        return the global Top-K (global ids) on every device. None: keys are local.
+      context_merge: how per-device candidates are merged under ``context_axis``:
+        ``gather`` (one all-gather of K records per device, one exact selection) or
+        ``tree`` (log2 P rounds of pairwise exchange and merge; P a power of two, else
+        ``gather``).
     """
 
     top_k: int = 2048
@@ -109,6 +118,8 @@ class Config:
     raise_threshold: bool = True
     backend: str = "auto"
     dense_switch: Optional[float] = None
+    context_axis: Optional[str] = None
+    context_merge: str = "gather"
 
     def anchors(self, T: int) -> int:
         """Anchor stride in effect for T queries (0: no anchors)."""
@@ -171,6 +182,11 @@ class Config:
             bad("dense_switch", "must be None or a number > 0 (inf: always screen)")
         if self.backend not in BACKENDS:
             bad("backend", f"must be one of {BACKENDS}")
+        if self.context_axis is not None and (not isinstance(self.context_axis, str)
+                                              or not self.context_axis):
+            bad("context_axis", "must be None or a mesh axis name (non-empty str)")
+        if self.context_merge not in CONTEXT_MERGES:
+            bad("context_merge", f"must be one of {CONTEXT_MERGES}")
 
     def replace(self, **changes) -> "Config":
         return dataclasses.replace(self, **changes)

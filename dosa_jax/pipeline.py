@@ -85,13 +85,15 @@ class TilePlan(NamedTuple):
     budget: jax.Array       # [Tq]
 
 
-def plan_tile(q, w, lo, hi, keys: KeyData, config, hint=None) -> TilePlan:
+def plan_tile(q, w, lo, hi, keys: KeyData, config, hint=None, tau_floor=None) -> TilePlan:
     """Stages 1–2 for a query tile: score the seeds, τ, activation frequencies, plan.
 
     ``hint`` [Tq, M] (optional) are extra witness keys, e.g. the previous decode
     step's selection: rescored for the current query, they join the seeds in τ
     (distinct visible keys only) but not the candidate set — the scan meets them
     again, so the running Top-K never holds a key twice.
+    ``tau_floor`` [Tq] (optional) is a lower bound on τ* certified elsewhere (e.g. by
+    keys on other devices, :mod:`dosa_jax.context_parallel`): τ = max(τ, floor).
     """
     B = config.key_block
     S_pad = round_up_to(config.seeds(), B)
@@ -100,6 +102,8 @@ def plan_tile(q, w, lo, hi, keys: KeyData, config, hint=None) -> TilePlan:
     sid, svalid = seeds_mod.seed_ids(layout, S_pad)
     s_scores = score_ids_blocked(q, w, keys.k, keys.scale, sid, B)
     tau0 = seeds_mod.seed_threshold(s_scores, svalid, config.top_k)
+    if tau_floor is not None:
+        tau0 = jnp.maximum(tau0, tau_floor)
     # the planner's strided sample (dosa_jax.sample), scored in full by the canonical scorer
     e_ids, e_valid = strided_sample_ids(lo, hi, config.budget_sample,
                                         round_up_to(config.budget_sample, B))
@@ -121,6 +125,8 @@ def plan_tile(q, w, lo, hi, keys: KeyData, config, hint=None) -> TilePlan:
         ok = seeds_mod.distinct_visible(jnp.concatenate([sid, extra], axis=1), lo, hi)
         tau0 = seeds_mod.seed_threshold(jnp.concatenate([s_scores, e_scores], axis=1), ok,
                                         config.top_k)
+        if tau_floor is not None:
+            tau0 = jnp.maximum(tau0, tau_floor)
     return TilePlan(layout, sid, svalid, s_scores, tau0, plan, details, budget)
 
 
@@ -143,7 +149,7 @@ def guided_witnesses(plan, lo, hi, keys: KeyData, config):
                      jnp.take_along_axis(ids, top, axis=1), -1)
 
 
-def dosa_tile(q, w, lo, hi, keys: KeyData, config, N: int, hint=None):
+def dosa_tile(q, w, lo, hi, keys: KeyData, config, N: int, hint=None, tau_floor=None):
     """Exact Top-K for one tile of queries (q [Tq, H, D]); returns (idx, scores, Stats)."""
     Tq, H, D = q.shape
     K, B = config.top_k, config.key_block
@@ -152,7 +158,7 @@ def dosa_tile(q, w, lo, hi, keys: KeyData, config, N: int, hint=None):
     SENT = jnp.int32(npad)
 
     # 1–2. seeds, threshold, plan
-    tp = plan_tile(q, w, lo, hi, keys, config, hint)
+    tp = plan_tile(q, w, lo, hi, keys, config, hint, tau_floor)
     layout, sid, svalid, s_scores, tau0, plan, budget = (
         tp.layout, tp.seed_ids, tp.seed_valid, tp.seed_scores, tp.tau, tp.plan, tp.budget)
     n_vis = hi - lo
@@ -285,19 +291,27 @@ def tile_screen(plan, budget, config, H: int):
     return lambda kb, nb, ab: lax.switch(branch, fns, kb, nb, ab)
 
 
-def dosa_topk_reference(q, k, w, k_scale, lo, hi, config, *, hint=None):
+def dosa_topk_reference(q, k, w, k_scale, lo, hi, config, *, hint=None, tau_floor=None):
     """Reference (pure jnp) DoSA Top-K over validated inputs: (indices, scores, Stats).
 
     ``hint`` [T, M] are the caller's witness ids; with ``config.anchor_stride`` the anchor
     queries are answered first by :func:`dosa_jax.dense.dense_topk_reference` and their
-    Top-K ids join the witnesses (:mod:`dosa_jax.witnesses`).
+    Top-K ids join the witnesses (:mod:`dosa_jax.witnesses`). ``tau_floor`` [T] float32
+    (optional) is a lower bound on each query's τ* from elsewhere (keys on other devices):
+    the threshold starts at max(seed τ, floor), so the answer is then the exact Top-K of
+    the seeds and the keys scoring ≥ floor (every key of the true Top-K of a larger key
+    set that includes these keys, when floor ≤ its τ*).
     """
     anchors = witnesses.anchor_topk(dense_topk_reference, q, k, w, k_scale, lo, hi, config)
     hint = witnesses.per_query_witnesses(anchors, config.anchors(q.shape[0]), q.shape[0], hint)
     keys = prepare_keys(k, k_scale, config.key_block)
     N = k.shape[0]
-    if hint is None:
-        return map_query_tiles(lambda a, b, c, d: dosa_tile(a, b, c, d, keys, config, N),
-                               q, w, lo, hi, config.query_tile)
-    return map_query_tiles(lambda a, b, c, d, e: dosa_tile(a, b, c, d, keys, config, N, e),
-                           q, w, lo, hi, config.query_tile, hint)
+    extras = tuple(x for x in (hint, tau_floor) if x is not None)
+
+    def tile(a, b, c, d, *e):
+        e = list(e)
+        h = e.pop(0) if hint is not None else None
+        f = e.pop(0) if tau_floor is not None else None
+        return dosa_tile(a, b, c, d, keys, config, N, h, f)
+
+    return map_query_tiles(tile, q, w, lo, hi, config.query_tile, *extras)
