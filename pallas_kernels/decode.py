@@ -31,6 +31,7 @@ M, K and the splits, never on N.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -230,65 +231,102 @@ def workspace_bytes(B: int, M: int, K: int, W: int, D: int, *, capacity=None, sp
     return parts
 
 
+class Prepared(NamedTuple):
+    """Kernel operands of one step (:func:`prepare`)."""
+
+    ops: object          # Operands of the 4 query slots per sequence (keys: ``kp``)
+    kp: Array            # [Pk, R, Dp] key rows (FP8 payloads as stored)
+    scale: object        # [R] float32 key scales, or None
+    page_table: Array    # [B, max_pages] int32 (contiguous: one page per sequence)
+    page: int            # keys per page
+    BK: int              # keys per scan tile
+    tiles: Tiles
+
+
+def prepare(q, w, k, k_scale, page_table, *, tiles: Tiles = Tiles(),
+            key_tile: int = KEY_TILE) -> Prepared:
+    """Operands of the kernels: 4 query slots per sequence, keys as rows (no copy of FP8 or
+    bf16 keys whose N is a multiple of 16)."""
+    check_tiles(tiles)
+    if tiles.layout != "kc" or tiles.BQ != SLOTS:
+        raise NotImplementedError("decode kernels use the kc scoring tile of 4 query slots")
+    B, M, H, D = q.shape
+    keys_rows, page, pt, _ = key_layout(k, page_table, key_tile)
+    BK = scan_tile(page, key_tile)
+    tiles = tiles._replace(BK=BK)
+    scale = None if k_scale is None else (
+        pad_axis(k_scale, 1, page).reshape(-1) if page_table is None else k_scale.reshape(-1))
+    kp = mma_pieces(keys_rows, jnp.bfloat16, widen_fp8=False)   # FP8 stays 1 byte per element
+    Dp = max(16, 1 << max(0, (D - 1).bit_length()))
+    kp = pad_axis(kp, 2, Dp)
+    qs = pad_axis(q, 1, SLOTS).reshape(B * SLOTS, H, D)
+    ws = pad_axis(w, 1, SLOTS).reshape(B * SLOTS, H)
+    ops = prepare_operands(qs, ws, None, None, SLOTS, jnp.bfloat16, tiles.layout,
+                           widen_fp8=False, lane_sums=tiles.lane_sums,
+                           keys=(kp, jnp.ones((1,), jnp.float32)))
+    return Prepared(ops, kp, scale, pt.astype(jnp.int32), page, BK, tiles)
+
+
+def scan_records(prep: Prepared, theta, lengths, M: int, K: int, *, splits=None,
+                 interpret=None):
+    """The scan kernel from thresholds ``theta`` [B·4] (order keys; ``THETA_NONE``: none):
+    record buffers (order keys, ids [B·4, S, C], counts, appended [B·4, S])."""
+    if interpret is None:
+        interpret = interpret_default()
+    B = prep.page_table.shape[0]
+    S = splits or default_splits(B, prep.page * prep.page_table.shape[1] // prep.BK)
+    C = capacity_for(K, prep.BK, 2 * K)
+    slot = jnp.arange(SLOTS)[None, :]
+    hi = jnp.where(slot < M, lengths[:, None], 0).reshape(-1).astype(jnp.int32)
+    return decode_scan(prep.ops.q, prep.ops.w, hi, theta, prep.page_table, prep.kp, prep.scale,
+                       K=K, S=S, C=C, BK=prep.BK, page=prep.page, tiles=prep.tiles, H=prep.ops.H,
+                       pairs=prep.ops.pairs, lane_sums=prep.ops.lane_sums, interpret=interpret)
+
+
+def witness_threshold(prep: Prepared, ids, lengths, M: int, K: int, *, interpret=None):
+    """τ_w of every query slot as an order key ([B·4]; ``THETA_NONE`` with fewer than K
+    distinct visible witnesses) and the distinct visible witness count [B]."""
+    if interpret is None:
+        interpret = interpret_default()
+    B = ids.shape[0]
+    capacity_keys = prep.page * prep.page_table.shape[1]
+    first = distinct_visible(ids, jnp.zeros((B,), jnp.int32), lengths)
+    safe = jnp.clip(ids, 0, capacity_keys - 1)
+    wrows = jnp.take_along_axis(prep.page_table, safe // prep.page, axis=1) * prep.page \
+        + safe % prep.page
+    wk = witness_keys(prep.ops, prep.kp, prep.scale, wrows, first, M, prep.tiles, interpret)
+    if wk.shape[1] >= K:
+        kth = lax.top_k(wk, K)[0][:, K - 1]
+        theta = jnp.where(kth == INT32_MIN, THETA_NONE, kth)
+    else:
+        theta = jnp.full((B * SLOTS,), THETA_NONE, jnp.int32)
+    return theta, jnp.sum(first, axis=1, dtype=jnp.int32)
+
+
 def decode_topk(q, k, w, ids, k_scale, lengths, page_table, config, *, tiles: Tiles = Tiles(),
-                key_tile: int = KEY_TILE, splits=None, interpret=None, return_records=False):
+                key_tile: int = KEY_TILE, splits=None, interpret=None):
     """One decode step by the kernels (validated inputs: q [B, M, H, D], w [B, M, H]).
 
     Returns (indices [B, M, K], scores [B, M, K], DecodeStats [B, M]) as
     :func:`dosa_jax.decode.decode_topk_reference`, bitwise equal to ``dense_topk`` on the
     pallas backend.
     """
-    check_tiles(tiles)
-    if tiles.layout != "kc" or tiles.BQ != SLOTS:
-        raise NotImplementedError("decode kernels use the kc scoring tile of 4 query slots")
-    if interpret is None:
-        interpret = interpret_default()
-    B, M, H, D = q.shape
+    B, M = q.shape[:2]
     K = config.top_k
-    keys_rows, page, pt, _ = key_layout(k, page_table, key_tile)
-    BK = scan_tile(page, key_tile)
-    tiles = tiles._replace(BK=BK)
-    scale = None if k_scale is None else (
-        pad_axis(k_scale, 1, page).reshape(-1) if page_table is None else k_scale.reshape(-1))
-    capacity_keys = page * pt.shape[1]
-    S = splits or default_splits(B, capacity_keys // BK)
-    C = capacity_for(K, BK, 2 * K)
-    qs = pad_axis(q, 1, SLOTS).reshape(B * SLOTS, H, D)
-    ws = pad_axis(w, 1, SLOTS).reshape(B * SLOTS, H)
-    kp = mma_pieces(keys_rows, jnp.bfloat16, widen_fp8=False)   # FP8 stays 1 byte per element
-    Dp = max(16, 1 << max(0, (D - 1).bit_length()))
-    kp = pad_axis(kp, 2, Dp)
-    ops = prepare_operands(qs, ws, None, None, SLOTS, jnp.bfloat16, tiles.layout,
-                           widen_fp8=False, lane_sums=tiles.lane_sums,
-                           keys=(kp, jnp.ones((1,), jnp.float32)))
-    # witnesses: distinct visible ids -> rows of the key table -> order keys -> τ_w per query
-    first = distinct_visible(ids, jnp.zeros((B,), jnp.int32), lengths)
-    safe = jnp.clip(ids, 0, capacity_keys - 1)
-    wrows = jnp.take_along_axis(pt, safe // page, axis=1) * page + safe % page
-    wk = witness_keys(ops, kp, scale, wrows, first, M, tiles, interpret)       # [B*4, Wp]
-    if wk.shape[1] >= K:
-        kth = lax.top_k(wk, K)[0][:, K - 1]
-        theta = jnp.where(kth == INT32_MIN, THETA_NONE, kth)
-    else:
-        theta = jnp.full((B * SLOTS,), THETA_NONE, jnp.int32)
-    slot = jnp.arange(SLOTS)[None, :]
-    hi = jnp.where(slot < M, lengths[:, None], 0).reshape(-1).astype(jnp.int32)
-    rk, ri, cnt, app = decode_scan(ops.q, ops.w, hi, theta, pt.astype(jnp.int32), kp, scale,
-                                  K=K, S=S, C=C, BK=BK, page=page, tiles=tiles, H=ops.H,
-                                  pairs=ops.pairs, lane_sums=ops.lane_sums, interpret=interpret)
+    prep = prepare(q, w, k, k_scale, page_table, tiles=tiles, key_tile=key_tile)
+    theta, n_wit = witness_threshold(prep, ids, lengths, M, K, interpret=interpret)
+    rk, ri, cnt, app = scan_records(prep, theta, lengths, M, K, splits=splits,
+                                    interpret=interpret)
     idx, sc, _, over = gather_records(rk, ri, cnt, K, candidate_capacity(config))
-    merged = jnp.any(app > C - BK, axis=1)      # a buffer was compacted during the scan
+    merged = jnp.any(app > rk.shape[2] - prep.BK, axis=1)   # a buffer compacted mid-scan
     r = lambda x: x.reshape(B, SLOTS, *x.shape[1:])[:, :M]
     stats = DecodeStats(visible=jnp.broadcast_to(lengths[:, None], (B, M)).astype(jnp.int32),
-                        witnesses=jnp.broadcast_to(jnp.sum(first, axis=1, dtype=jnp.int32)[:, None],
-                                                   (B, M)),
-                        tau_witness=r(jnp.where(theta == THETA_NONE, -jnp.inf, key_to_score(theta))),
+                        witnesses=jnp.broadcast_to(n_wit[:, None], (B, M)),
+                        tau_witness=r(jnp.where(theta == THETA_NONE, -jnp.inf,
+                                                key_to_score(theta))),
                         candidates=r(jnp.sum(app, axis=1)),
                         overflow=r((over | merged).astype(jnp.int32)))
-    out = (r(idx), r(sc), stats)
-    if return_records:
-        return out + ((rk, ri, cnt, app),)
-    return out
+    return r(idx), r(sc), stats
 
 
 def decode_topk_reference(q, k, w, ids, k_scale, lengths, page_table, config):
@@ -306,6 +344,6 @@ def decode_topk_reference(q, k, w, ids, k_scale, lengths, page_table, config):
     return lax.map(one, jnp.arange(q.shape[0]))
 
 
-__all__ = ["KEY_TILE", "SLOTS", "decode_scan", "decode_topk", "decode_topk_reference",
-           "default_splits", "gather_records", "key_layout", "scan_tile", "witness_keys",
-           "workspace_bytes"]
+__all__ = ["KEY_TILE", "Prepared", "SLOTS", "decode_scan", "decode_topk", "decode_topk_reference",
+           "default_splits", "gather_records", "key_layout", "prepare", "scan_records", "scan_tile",
+           "witness_keys", "witness_threshold", "workspace_bytes"]
