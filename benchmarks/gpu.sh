@@ -3,7 +3,8 @@
 #
 #   bash benchmarks/gpu.sh [STAGE ...]      (default: tests headline matrix)
 #
-# Stages: tests | headline | matrix | matrix1m | matrix1m64 | matrix128k | kernels | select
+# Stages: tests | headline | matrix | matrix1m | matrix1m64 | matrix128k | kernels | select |
+# decode | decode32 | decode64 (decode: every row within its time budget; decode32/64: one H each)
 # (matrix1m: the H = 32 cases at N = 1M; matrix1m64: the H = 64 cases; matrix128k: all 16 at
 # N = 128K; matrix: everything, longer than one 10-minute device call). Each stage
 # runs under its own timeout (seconds; TESTS_TIMEOUT, HEADLINE_TIMEOUT, MATRIX_TIMEOUT) so a
@@ -48,7 +49,12 @@ for s in $stages; do
       --tag 128k --out "$OUT" $MATRIX_ARGS ;;
     kernels) run kernels "${KERNELS_TIMEOUT:-300}" python -m benchmarks kernels --out "$OUT" ;;
     select) run select "${SELECT_TIMEOUT:-200}" python -m benchmarks select --out "$OUT" ;;
-    *) echo "gpu.sh: unknown stage $s (tests headline matrix matrix1m matrix1m64 matrix128k kernels select)" >&2
+    decode) run decode "${DECODE_TIMEOUT:-580}" python -m benchmarks decode --out "$OUT" ;;
+    decode32) run decode32 "${DECODE_TIMEOUT:-580}" python -m benchmarks decode --cases H32 \
+      --tag h32 --out "$OUT" ;;
+    decode64) run decode64 "${DECODE_TIMEOUT:-580}" python -m benchmarks decode --cases H64 \
+      --tag h64 --out "$OUT" ;;
+    *) echo "gpu.sh: unknown stage $s (tests headline matrix matrix1m matrix1m64 matrix128k kernels select decode decode32 decode64)" >&2
        exit 2 ;;
   esac
 done

@@ -54,8 +54,9 @@ Array = jax.Array
 
 #: Query slots per sequence (the scoring tile's queries; M ≤ 4 real ones).
 SLOTS = 4
-#: Keys per scan tile (at most; a page smaller than this sets the tile).
-KEY_TILE = 128
+#: Keys per scan tile (at most; a page smaller than this sets the tile): the dense kernel's tuned
+#: 64 (a 4·H-column accumulator of 128 keys spills at H = 64).
+KEY_TILE = 64
 #: Programs wanted per step (≈ 4 per SM of an H200's 132) when choosing the key splits.
 PROGRAMS = 528
 

@@ -60,11 +60,13 @@ def _dense_per_sequence(q, k, w, k_scale, lengths, cfg):
 
 def _run_steps(qs, k, w, k_scale, lengths0, cfg, *, page_table=None, k_paged=None,
                s_paged=None):
-    """lax.scan of decode steps (one key more per step), and the dense answers, jitted."""
+    """lax.scan of decode steps (one key more per step), and the dense answers, jitted.
+    ``w`` [B, M, H], or [steps, B, M, H] per step."""
     B, M = qs.shape[1], qs.shape[2]
+    ws = w if w.ndim == 4 else jnp.broadcast_to(w, (qs.shape[0],) + w.shape)
 
     def body(state, xs):
-        q, t = xs
+        q, w, t = xs
         lengths = lengths0 + t
         if page_table is None:
             res, state = dosa_jax.decode_topk(q, k, w, state, k_scale=k_scale, lengths=lengths,
@@ -76,7 +78,7 @@ def _run_steps(qs, k, w, k_scale, lengths0, cfg, *, page_table=None, k_paged=Non
         return state, (res.indices, res.scores, di, ds, res.stats)
 
     run = jax.jit(lambda qs: lax.scan(body, dec.decode_init(B, cfg, queries=M),
-                                      (qs, jnp.arange(qs.shape[0], dtype=jnp.int32))))
+                                      (qs, ws, jnp.arange(qs.shape[0], dtype=jnp.int32))))
     return run(qs)[1]
 
 
@@ -309,3 +311,57 @@ def test_workspace_does_not_grow_with_n():
     a = kd.workspace_bytes(8, 1, 2048, 2048, 128, splits=kd.default_splits(8, 1 << 13))
     b = kd.workspace_bytes(8, 1, 2048, 2048, 128, splits=kd.default_splits(8, 1 << 20))
     assert a == b and a["total"] > 0
+
+
+ON_GPU = dosa_jax.backend.on_gpu()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_gpu_compiled_kernels_bitwise_dense_over_steps(paged):
+    """Compiled kernels: 60 consecutive steps (a topic change at 30, a small buffer) equal the
+    pallas dense_topk of each sequence bitwise."""
+    from dosa_jax import synthetic
+    B, N, K, steps = 4, 32768, 512, 60
+    inp = synthetic.structured(T=steps + 3 * 8, N=N, H=32, D=128, seed=9,
+                               key_dtype="float8_e4m3fn", query_dtype="bfloat16")
+    other = synthetic.structured(T=steps, N=N, H=32, D=128, seed=10,
+                                 key_dtype="float8_e4m3fn", query_dtype="bfloat16")
+    k = jnp.broadcast_to(inp.k[None], (B, N, 128)) + jnp.zeros((), inp.k.dtype)
+    s = jnp.broadcast_to(inp.k_scale[None], (B, N)) + 0.0
+    t = np.arange(steps)[:, None] + 8 * np.arange(B)[None, :]
+    qs = jnp.where((np.arange(steps) >= 30)[:, None, None, None], other.q[np.arange(steps)][:, None],
+                   inp.q[t])
+    qs, ws = qs[:, :, None], inp.w[t][:, :, None]
+    lengths0 = jnp.asarray(N - steps - 8 * np.arange(B), jnp.int32)
+    cfg = dosa_jax.Config(top_k=K, backend="pallas", capacity=K + 64)
+    kp, sp, pt = _paged(k, s, 256, np.random.default_rng(0)) if paged else (None, None, None)
+    idx, sc, di, ds, st = _run_steps(qs, k, ws, s, lengths0, cfg, page_table=pt, k_paged=kp,
+                                     s_paged=sp)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(di))
+    np.testing.assert_array_equal(_bits(sc), _bits(ds))
+    assert np.asarray(st.overflow)[30].any() and not np.asarray(st.overflow)[5:30].all()
+
+
+def test_decode_benchmark_quick(tmp_path):
+    """``python -m benchmarks decode --quick``: every row bitwise, the exactness run, files."""
+    import json
+    from benchmarks import __main__ as entry
+    from benchmarks.shapes import QUICK
+    tab = entry.run(["decode", "--quick", "--out", str(tmp_path)])
+    p = QUICK["decode"]
+    timed = [r for r in tab.rows if r["layout"] != "exactness"]
+    assert sorted((r["B"], r["layout"]) for r in timed) == sorted(
+        (B, lay) for B in p.batches for lay in ("contiguous", "paged"))
+    for r in timed:
+        assert r["decode_eq_dense"] is True
+        assert min(r["decode_ms"], r["dense_ms"], r["xla_ms"], r["scan_gbs"]) > 0
+        assert r["dense_over_decode"] == pytest.approx(r["dense_ms"] / r["decode_ms"])
+        assert 0 < r["candidates"] and r["workspace_mib"] > 0
+    ex, = [r for r in tab.rows if r["layout"] == "exactness"]
+    assert ex["mismatches"] == 0 and ex["steps"] == p.check_steps and not tab.errors
+    saved = json.loads((tmp_path / "decode.json").read_text())
+    assert len(saved["rows"]) == len(tab.rows)
+    with pytest.raises(SystemExit):
+        entry.run(["decode", "--out", str(tmp_path)])     # the full preset: a GPU only
