@@ -55,7 +55,7 @@ Array = jax.Array
 #: Query slots per sequence (the scoring tile's queries; M ≤ 4 real ones).
 SLOTS = 4
 #: Keys per scan tile (at most; a page smaller than this sets the tile): the dense kernel's tuned
-#: 64 (a 4·H-column accumulator of 128 keys spills at H = 64).
+#: 64 (128 keys × 4·H float32 accumulator columns are 256 registers per thread at H = 64).
 KEY_TILE = 64
 #: Programs wanted per step (≈ 4 per SM of an H200's 132) when choosing the key splits.
 PROGRAMS = 528
