@@ -63,7 +63,8 @@ PROGRAMS = 528
 
 def _scan_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, BK: int, H: int, S: int, C: int, K: int,
                  page: int, max_pages: int, has_scale: bool, pairs, lane_sums: bool,
-                 interpret: bool):
+                 interpret: bool, contiguous: bool):
+    # contiguous keys: sequence b's rows start at b·page (one page each), no table lookups
     q_refs, (w_ref, hi_ref, th_ref, pt_ref) = refs[:Pq], refs[Pq:Pq + 4]
     k_refs = refs[Pq + 4:Pq + 4 + Pk]
     rest = refs[Pq + 4 + Pk:]
@@ -84,8 +85,11 @@ def _scan_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, BK: int, H: int, S: int,
 
     def tile(j, state):
         ids = j * BK + lanes
-        pg = jnp.max(pt_ref[pl.ds(b * max_pages + j // tpp, 1)])   # the tile's page
-        row0 = pg * page + (j % tpp) * BK
+        if contiguous:
+            row0 = b * page + j * BK
+        else:
+            pg = jnp.max(pt_ref[pl.ds(b * max_pages + j // tpp, 1)])   # the tile's page
+            row0 = pg * page + (j % tpp) * BK
         kp = [k_ref[pl.ds(row0, BK), :] for k_ref in k_refs]
         scale = sc_ref[pl.ds(row0, BK)] if has_scale else jnp.ones((BK,), jnp.float32)
         sc = score_tile(qp, wv, kp, scale, BQ=BQ, H=H, pairs=pairs, layout=tiles.layout,
@@ -106,9 +110,9 @@ def _scan_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, BK: int, H: int, S: int,
 
 
 @functools.partial(jax.jit, static_argnames=("K", "S", "C", "BK", "page", "tiles", "H", "pairs",
-                                             "lane_sums", "interpret"))
+                                             "lane_sums", "interpret", "contiguous"))
 def decode_scan(q, w, hi, theta0, page_table, k, scale, *, K, S, C, BK, page, tiles, H, pairs,
-               lane_sums, interpret):
+                lane_sums, interpret, contiguous=False):
     T = hi.shape[0]
     B = T // SLOTS
     size = T * S * C
@@ -116,7 +120,7 @@ def decode_scan(q, w, hi, theta0, page_table, k, scale, *, K, S, C, BK, page, ti
     kern = functools.partial(_scan_kernel, Pq=q.shape[0], Pk=k.shape[0], tiles=tiles, BK=BK, H=H,
                              S=S, C=C, K=K, page=page, max_pages=page_table.shape[1],
                              has_scale=has_scale, pairs=pairs, lane_sums=lane_sums,
-                             interpret=interpret)
+                             interpret=interpret, contiguous=contiguous)
     i32 = jnp.int32
     out_shape = (jax.ShapeDtypeStruct((size,), i32), jax.ShapeDtypeStruct((size,), i32),
                  jax.ShapeDtypeStruct((T * S,), i32), jax.ShapeDtypeStruct((T * S,), i32))
@@ -242,6 +246,7 @@ class Prepared(NamedTuple):
     page: int            # keys per page
     BK: int              # keys per scan tile
     tiles: Tiles
+    contiguous: bool     # keys [B, N, D]: sequence b's rows at b·page
 
 
 def prepare(q, w, k, k_scale, page_table, *, tiles: Tiles = Tiles(),
@@ -265,7 +270,7 @@ def prepare(q, w, k, k_scale, page_table, *, tiles: Tiles = Tiles(),
     ops = prepare_operands(qs, ws, None, None, SLOTS, jnp.bfloat16, tiles.layout,
                            widen_fp8=False, lane_sums=tiles.lane_sums,
                            keys=(kp, jnp.ones((1,), jnp.float32)))
-    return Prepared(ops, kp, scale, pt.astype(jnp.int32), page, BK, tiles)
+    return Prepared(ops, kp, scale, pt.astype(jnp.int32), page, BK, tiles, page_table is None)
 
 
 def scan_records(prep: Prepared, theta, lengths, M: int, K: int, *, splits=None,
@@ -281,7 +286,8 @@ def scan_records(prep: Prepared, theta, lengths, M: int, K: int, *, splits=None,
     hi = jnp.where(slot < M, lengths[:, None], 0).reshape(-1).astype(jnp.int32)
     return decode_scan(prep.ops.q, prep.ops.w, hi, theta, prep.page_table, prep.kp, prep.scale,
                        K=K, S=S, C=C, BK=prep.BK, page=prep.page, tiles=prep.tiles, H=prep.ops.H,
-                       pairs=prep.ops.pairs, lane_sums=prep.ops.lane_sums, interpret=interpret)
+                       pairs=prep.ops.pairs, lane_sums=prep.ops.lane_sums, interpret=interpret,
+                       contiguous=prep.contiguous)
 
 
 def witness_threshold(prep: Prepared, ids, lengths, M: int, K: int, *, interpret=None):

@@ -304,6 +304,12 @@ def test_kernel_matches_its_jnp_twin_on_exact_inputs():
     np.testing.assert_array_equal(np.asarray(ki), np.asarray(ri))
     np.testing.assert_array_equal(_bits(ks), _bits(rs))
     assert np.asarray(kst.overflow)[0].all() and np.isneginf(np.asarray(kst.tau_witness)).all()
+    # one page per sequence, pages swapped: the page table is read, not assumed
+    pt = jnp.array([[1], [0]], jnp.int32)
+    ki, ks, _ = kd.decode_topk(q, k[::-1], w, ids, s[::-1], lengths, pt, cfg, interpret=True)
+    ri, rs, _ = kd.decode_topk_reference(q, k, w, ids, s, lengths, None, cfg)
+    np.testing.assert_array_equal(np.asarray(ki), np.asarray(ri))
+    np.testing.assert_array_equal(_bits(ks), _bits(rs))
 
 
 def test_workspace_does_not_grow_with_n():
@@ -328,8 +334,8 @@ def test_gpu_compiled_kernels_bitwise_dense_over_steps(paged):
                                key_dtype="float8_e4m3fn", query_dtype="bfloat16")
     other = synthetic.structured(T=steps, N=N, H=32, D=128, seed=10,
                                  key_dtype="float8_e4m3fn", query_dtype="bfloat16")
-    k = jnp.broadcast_to(inp.k[None], (B, N, 128)) + jnp.zeros((), inp.k.dtype)
-    s = jnp.broadcast_to(inp.k_scale[None], (B, N)) + 0.0
+    k = jnp.tile(inp.k[None], (B, 1, 1))
+    s = jnp.tile(inp.k_scale[None], (B, 1))
     t = np.arange(steps)[:, None] + 8 * np.arange(B)[None, :]
     qs = jnp.where((np.arange(steps) >= 30)[:, None, None, None], other.q[np.arange(steps)][:, None],
                    inp.q[t])
