@@ -32,6 +32,13 @@ def _keys(rng, B, N, dtype=jnp.float32):
     return jnp.asarray(k, dtype), None
 
 
+def _problem(rng, B, N):
+    """Keys [B, N, D], one query [B, H, D] and weights [B, H] per sequence (Gaussian)."""
+    k, _ = _keys(rng, B, N)
+    q = jnp.asarray(rng.normal(size=(B, H, D)), jnp.float32)
+    return k, q, jnp.asarray(rng.normal(size=(B, H)), jnp.float32)
+
+
 def _walk(rng, steps, B, M=1, change=None, step_size=0.05, heads=H, dim=D):
     """Random-walk queries [steps, B, M, H, D] (fresh directions at step ``change``)."""
     q = rng.normal(size=(B, M, heads, dim))
@@ -165,9 +172,7 @@ def test_multiple_queries_per_sequence(backend):
 def test_invalid_stale_and_repeated_witnesses_are_harmless():
     rng = np.random.default_rng(4)
     B, N, K = 3, 300, 16
-    k, _ = _keys(rng, B, N)
-    q = jnp.asarray(rng.normal(size=(B, H, D)), jnp.float32)
-    w = jnp.asarray(rng.normal(size=(B, H)), jnp.float32)
+    k, q, w = _problem(rng, B, N)
     lengths = jnp.array([300, 50, 17], jnp.int32)
     cfg = dosa_jax.Config(top_k=K, backend="reference", capacity=20)
     di, ds = _dense_per_sequence(q[:, None], k, w[:, None], None, lengths, cfg)
@@ -192,9 +197,7 @@ def test_invalid_stale_and_repeated_witnesses_are_harmless():
 def test_while_loop_and_plain_jit():
     rng = np.random.default_rng(5)
     B, N, K = 2, 128, 8
-    k, _ = _keys(rng, B, N)
-    q = jnp.asarray(rng.normal(size=(B, H, D)), jnp.float32)
-    w = jnp.asarray(rng.normal(size=(B, H)), jnp.float32)
+    k, q, w = _problem(rng, B, N)
     cfg = dosa_jax.Config(top_k=K, backend="reference")
     step = jax.jit(dosa_jax.decode_topk)
     res, st = step(q, k, w, dosa_jax.decode_init(B, cfg), lengths=jnp.array([100, 128]),
@@ -214,9 +217,7 @@ def test_while_loop_and_plain_jit():
 def test_scores_are_differentiable_as_dense_topk():
     rng = np.random.default_rng(6)
     B, N, K = 2, 64, 8
-    k, _ = _keys(rng, B, N)
-    q = jnp.asarray(rng.normal(size=(B, H, D)), jnp.float32)
-    w = jnp.asarray(rng.normal(size=(B, H)), jnp.float32)
+    k, q, w = _problem(rng, B, N)
     cfg = dosa_jax.Config(top_k=K, backend="reference")
     st = dosa_jax.decode_init(B, cfg)
     g = jax.grad(lambda q, k: jnp.sum(dosa_jax.decode_topk(q, k, w, st, config=cfg)[0].scores),
