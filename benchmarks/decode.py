@@ -180,7 +180,7 @@ def exactness(tab: Table, inp, other, cfg, steps: int) -> None:
     kf, sf = k.reshape(B * N, -1), s.reshape(-1)
     small = cfg.replace(capacity=cfg.top_k)
 
-    def step(state, q, w, n):
+    def step(state, q, w, n, k, s, kf, sf):
         res, state = dosa_jax.decode_topk(q, k, w, state, k_scale=s, lengths=n, config=small)
         di, ds = dense_step(q, w, n, kf, sf, small, N)
         bad = jnp.sum(jnp.any((res.indices != di) | (lax.bitcast_convert_type(res.scores, jnp.int32)
@@ -188,9 +188,9 @@ def exactness(tab: Table, inp, other, cfg, steps: int) -> None:
                               axis=1))
         return state, (bad, res.stats.overflow, res.stats.candidates)
 
-    run = jax.jit(lambda qs, ws, ls: lax.scan(lambda st, x: step(st, *x),
-                                               dosa_jax.decode_init(B, small), (qs, ws, ls))[1])
-    bad, over, cand = run(qs[1:], ws[1:], ls[1:])
+    run = scanned(step)       # the caches are arguments, not constants of the program
+    _, (bad, over, cand) = run(qs[1:], ws[1:], ls[1:], dosa_jax.decode_init(B, small), k, s,
+                               kf, sf)
     row = dict(layout="exactness", B=B, N=N, H=inp.q.shape[1], steps=steps,
                mismatches=int(jnp.sum(bad)), overflow_steps=int(jnp.sum(jnp.any(over > 0, 1))),
                candidates=float(jnp.mean(cand)), seconds=time.perf_counter() - t0)
@@ -211,7 +211,8 @@ def one_row(tab, p: Preset, case: Case, inp, B: int, paged: bool, copy_gbs: floa
     k, s, pt = caches(inp, B, paged)
     kc, scc, _ = caches(inp, B, False) if paged else (k, s, None)
     kf, sf = kc.reshape(B * N, D), scc.reshape(-1)
-    di0, _ = jax.jit(lambda q, w, n: dense_step(q, w, n, kf, sf, cfg, N))(qs[0], ws[0], ls[0])
+    di0, _ = jax.jit(lambda q, w, n, kf, sf: dense_step(q, w, n, kf, sf, cfg, N))(
+        qs[0], ws[0], ls[0], kf, sf)
     state0 = dosa_jax.DecodeState(di0)
     f_dec = decode_fn(cfg, paged)
     args = (qs[1:], ws[1:], ls[1:], state0, k, s, pt)

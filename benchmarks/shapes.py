@@ -77,7 +77,7 @@ PRESETS = {p.name: p for p in (
     Preset("select", T=0, Ns=(), N_options=(), cases=(), repeats=30, warmup=5),
     Preset("decode", T=1, Ns=(MiB, 128 * KiB), N_options=LONG_NS,
            cases=(Case("code", 2, 32), Case("code", 2, 64)), batches=(1, 8, 64), steps=16,
-           check_steps=1000, repeats=5, warmup=1, budget_s=400),
+           check_steps=1000, repeats=5, warmup=1, budget_s=330),
 )}
 
 #: The same presets at CPU smoke-test size (the fixture's N = 4096, cases it stores).

@@ -345,8 +345,8 @@ def _call(backend: str, *args):
     for name in candidates(backend):
         if name == "reference":
             return decode_topk_reference(*args)
-        fn = api.implementation(name).decode_topk
         try:
+            fn = api.implementation(name).decode_topk
             if fn is None:
                 raise NotImplementedError("no decode kernels registered")
             return fn(*args)

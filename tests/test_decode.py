@@ -214,6 +214,26 @@ def test_while_loop_and_plain_jit():
     np.testing.assert_array_equal(np.asarray(st2.ids), np.asarray(res.indices))
 
 
+def test_dispatch_falls_back_to_the_reference_and_names_the_reason(monkeypatch):
+    from dosa_jax import api, backend
+    rng = np.random.default_rng(8)
+    k, q, w = _problem(rng, 2, 64)
+    cfg = dosa_jax.Config(top_k=8, backend="pallas")
+
+    def unavailable():
+        raise NotImplementedError("kernels unavailable here")
+
+    monkeypatch.setitem(api.IMPLEMENTATIONS, "pallas", unavailable)
+    with pytest.raises(NotImplementedError, match="pallas: kernels unavailable here"):
+        dosa_jax.decode_topk(q, k, w, dosa_jax.decode_init(2, cfg), config=cfg)
+    monkeypatch.setattr(backend, "on_gpu", lambda: True)   # auto: pallas first, then reference
+    auto = cfg.replace(backend="auto")
+    got, _ = dosa_jax.decode_topk(q, k, w, dosa_jax.decode_init(2, cfg), config=auto)
+    want, _ = dosa_jax.decode_topk(q, k, w, dosa_jax.decode_init(2, cfg),
+                                   config=cfg.replace(backend="reference"))
+    np.testing.assert_array_equal(np.asarray(got.indices), np.asarray(want.indices))
+
+
 def test_scores_are_differentiable_as_dense_topk():
     rng = np.random.default_rng(6)
     B, N, K = 2, 64, 8
