@@ -70,8 +70,10 @@ class DecodeStats(NamedTuple):
 
     visible: keys the query sees (``lengths``). witnesses: distinct visible witness ids.
     tau_witness: τ_w, the K-th largest witness score (−inf with fewer than K witnesses).
-    candidates: keys with s ≥ τ_w (every visible key when τ_w = −inf). overflow: 1 where
-    the candidates exceeded the buffer (``Config.capacity``) and the exact fallback answered.
+    candidates: keys with s ≥ τ_w (every visible key when τ_w = −inf; the Pallas scan counts
+    the keys it appended, fewer when a full record buffer raised its threshold mid-scan).
+    overflow: 1 where the candidates exceeded a buffer (``Config.capacity``; on the Pallas
+    backend also a record buffer compacted mid-scan) and an exact fallback answered.
     """
 
     visible: Array
