@@ -194,6 +194,27 @@ def test_invalid_stale_and_repeated_witnesses_are_harmless():
         assert float(res.stats.tau_witness[b]) == float(ds[b, 0, -1])
 
 
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+def test_nan_keys_zero_weights_and_massive_ties(backend):
+    """NaN scores are never selected (nor witnesses), all-zero scores tie everywhere (the
+    buffer overflows, the fallback answers in id order), one-sign weights."""
+    rng = np.random.default_rng(11)
+    B, N, K = 3, 128, 8
+    k, q, w = _problem(rng, B, N)
+    k = k.at[0, 5].set(jnp.nan).at[0, 40:44].set(jnp.inf)
+    w = w.at[1].set(0.0).at[2].set(jnp.abs(w[2]))
+    cfg = dosa_jax.Config(top_k=K, backend=backend, capacity=K)
+    lengths = jnp.array([128, 100, 64], jnp.int32)
+    di, ds = _dense_per_sequence(q[:, None], k, w[:, None], None, lengths, cfg)
+    st = dosa_jax.DecodeState(jnp.tile(jnp.arange(K + 4, dtype=jnp.int32)[None], (B, 1)))
+    for _ in range(2):
+        res, st = dosa_jax.decode_topk(q, k, w, st, lengths=lengths, config=cfg)
+        np.testing.assert_array_equal(np.asarray(res.indices), np.asarray(di[:, 0]))
+        np.testing.assert_array_equal(_bits(res.scores), _bits(ds[:, 0]))
+    assert 5 not in np.asarray(res.indices[0])
+    assert list(np.asarray(res.indices[1])) == list(range(K)) and int(res.stats.overflow[1]) == 1
+
+
 def test_while_loop_and_plain_jit():
     rng = np.random.default_rng(5)
     B, N, K = 2, 128, 8
