@@ -257,7 +257,7 @@ def one_row(tab, p: Preset, case: Case, inp, B: int, paged: bool, copy_gbs: floa
     row.update(scan_ms=t_scan.seconds * 1e3, scan_gbs=nbytes / t_scan.seconds / 1e9,
                copy_gbs=copy_gbs)
     row["bandwidth_share"] = row["scan_gbs"] / copy_gbs
-    ws_b = kd.workspace_bytes(B, 1, K, K, D, splits=kd.default_splits(B, N // kd.KEY_TILE),
+    ws_b = kd.workspace_bytes(B, K, K, D, splits=kd.default_splits(B, N // kd.KEY_TILE),
                               key_tile=kd.KEY_TILE if not paged else PAGE)
     row["workspace_mib"] = ws_b["total"] / 2 ** 20
     row["seconds"] = time.perf_counter() - t0

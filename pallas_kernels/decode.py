@@ -12,7 +12,7 @@ sequence in full and keeps only keys at or above the witness threshold τ_w. Thr
    dense kernel), streams its split of the sequence's keys in tiles of ``BK`` rows —
    contiguous rows, or the rows of the page that ``page_table`` names for the tile — scores
    them with :func:`pallas_kernels.scoring.score_tile` (FP8 payloads are read as they are
-   stored, 1 byte per element, and widened in registers: decode is memory-bound), and
+   stored, 1 byte per element, and widened in registers: no copy of the cache), and
    appends the keys whose order key clears τ_w to its record buffers
    (:mod:`pallas_kernels.records`: in id order, no atomics; a full buffer is compacted in
    place to its exact Top-K and its threshold raised — never a dropped candidate).
@@ -25,7 +25,9 @@ Scores are the dense kernel's (:mod:`pallas_kernels.dense`): the same operand pi
 ``kc`` tile of 4 query slots, the same lane-aligned head sums; a key's ``kc`` score is one
 MMA row's head sum whatever the tile's key count, so decode and ``dense_topk`` agree bitwise
 on the pallas backend. Workspace beyond the key cache (:func:`workspace_bytes`) depends on B,
-M, K and the splits, never on N.
+K, W and the splits, never on N, for FP8 or bf16 keys whose N (contiguous) or page size is a
+multiple of 16; float32/float16 keys are split into two bf16 pieces per step (a copy of the
+cache), as the dense path does.
 """
 
 from __future__ import annotations
@@ -218,7 +220,7 @@ def gather_records(rk, ri, cnt, K: int, capacity: int):
     return idx, sc, total, over
 
 
-def workspace_bytes(B: int, M: int, K: int, W: int, D: int, *, capacity=None, splits: int,
+def workspace_bytes(B: int, K: int, W: int, D: int, *, capacity=None, splits: int,
                     key_tile: int = KEY_TILE, key_bytes: int = 1) -> dict:
     """Device bytes a decode step allocates besides the key cache (independent of N).
 

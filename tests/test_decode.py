@@ -354,11 +354,23 @@ def test_kernel_matches_its_jnp_twin_on_exact_inputs():
     np.testing.assert_array_equal(_bits(ks), _bits(rs))
 
 
-def test_workspace_does_not_grow_with_n():
+def test_workspace_is_what_the_kernels_allocate_and_does_not_grow_with_n():
     from pallas_kernels import decode as kd
-    a = kd.workspace_bytes(8, 1, 2048, 2048, 128, splits=kd.default_splits(8, 1 << 13))
-    b = kd.workspace_bytes(8, 1, 2048, 2048, 128, splits=kd.default_splits(8, 1 << 20))
-    assert a == b and a["total"] > 0
+    rng = np.random.default_rng(12)
+    B, K = 2, 16
+    sizes = []
+    for N in (512, 1024):
+        k, q, w = _problem(rng, B, N)
+        prep = kd.prepare(q[:, None], w[:, None], k, None, None)
+        theta = jnp.full((B * kd.SLOTS,), kd.THETA_NONE, jnp.int32)
+        rk, ri, cnt, app = kd.scan_records(prep, theta, jnp.array([N, N // 2]), 1, K, splits=2,
+                                           interpret=True)
+        sizes.append(rk.nbytes + ri.nbytes + cnt.nbytes + app.nbytes)
+    ws = kd.workspace_bytes(B, K, K, D, splits=2)
+    assert sizes[0] == sizes[1] == ws["records"] + ws["counts"]
+    big = [kd.workspace_bytes(8, 2048, 2048, 128, splits=kd.default_splits(8, n // 64))["total"]
+           for n in (1 << 17, 1 << 20)]
+    assert big[0] == big[1]
 
 
 ON_GPU = dosa_jax.backend.on_gpu()
