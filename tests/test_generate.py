@@ -23,12 +23,14 @@ def model():
     return params, init_indexers(jax.random.PRNGKey(1), CFG, ICFG)
 
 
-def test_decode_generation_equals_dense_generation(model):
+@pytest.mark.parametrize("page_size", [0, 8], ids=["contiguous", "paged"])
+def test_decode_generation_equals_dense_generation(model, page_size):
     params, ilayers = model
     prompt = jax.random.randint(jax.random.PRNGKey(2), (2, 12), 0, 256)
     cfg = dosa_jax.Config(backend="reference", capacity=12)
     K, steps = 8, 30
-    a = gen.generate(params, ilayers, prompt, CFG, ICFG, steps=steps, top_k=K, config=cfg)
+    a = gen.generate(params, ilayers, prompt, CFG, ICFG, steps=steps, top_k=K, config=cfg,
+                     page_size=page_size)
     b = gen.generate(params, ilayers, prompt, CFG, ICFG, steps=steps, top_k=K,
                      selection="dense", config=cfg)
     assert a.tokens.shape == (2, 12 + steps)
@@ -63,5 +65,8 @@ def test_bad_arguments(model):
         gen.generate(params, ilayers, p, CFG, ICFG, steps=2, top_k=2, selection="x")
     with pytest.raises(ValueError, match="steps"):
         gen.generate(params, ilayers, p, CFG, ICFG, steps=0, top_k=2)
+    with pytest.raises(ValueError, match="page_size"):
+        gen.generate(params, ilayers, p, CFG, ICFG, steps=2, top_k=2, selection="dense",
+                     page_size=4)
     with pytest.raises(ValueError, match="prompt"):
         gen.generate(params, ilayers, p[0], CFG, ICFG, steps=2, top_k=2)

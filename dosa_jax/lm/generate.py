@@ -7,7 +7,9 @@ attention and indexer keys are appended to the layer's caches, ``decode_topk`` s
 Top-K of the indexer's scores over the ``pos + 1`` keys cached so far, with the previous
 token's selection as witnesses (the last prompt query's selection for the first generated
 token), and the attention reads those K keys. The whole loop is one ``jax.jit`` (a
-``lax.scan`` over steps, static shapes, caches of ``prompt + steps`` positions).
+``lax.scan`` over steps, static shapes, caches of ``prompt + steps`` positions). With
+``page_size`` the indexer keys live in pages addressed by a page table (``decode_topk``'s
+paged form), as a serving cache holds them.
 
 ``selection="dense"`` runs the same model with ``dosa_jax.dense_topk`` for prefill and
 every step. Both select bitwise the same keys, so both generate the same tokens.
@@ -65,6 +67,16 @@ def _prefill_select(selection: str, config):
     return select
 
 
+def paged_cache(keys: Array, page: int):
+    """Keys [B, L, D] as pages [B·L/page, page, D] (page j of sequence b is page j·B + b:
+    a sequence's pages are not adjacent) and the page table [B, L/page]."""
+    B, L, D = keys.shape
+    n = L // page
+    pages = keys.reshape(B, n, page, D).transpose(1, 0, 2, 3).reshape(n * B, page, D)
+    table = jnp.arange(n, dtype=jnp.int32)[None, :] * B + jnp.arange(B, dtype=jnp.int32)[:, None]
+    return pages, table
+
+
 def _prefill(params, indexer_layers, prompt, cfg: LMConfig, icfg: IndexerConfig, config,
              selection: str, length: int):
     """Prompt forward; per layer (attention k, v caches, indexer key cache, last query's
@@ -85,8 +97,9 @@ def _prefill(params, indexer_layers, prompt, cfg: LMConfig, icfg: IndexerConfig,
     return caches, logits_from_hidden(params, h[:, -1:], cfg)[:, 0]
 
 
-def _decode_layer(lp, ip, h, pos, cache, cfg, icfg, config, selection):
-    """One layer of one generated token at position ``pos`` for every sequence."""
+def _decode_layer(lp, ip, h, pos, cache, cfg, icfg, config, selection, table=None):
+    """One layer of one generated token at position ``pos`` for every sequence (``table``:
+    the indexer keys ``ikc`` are pages, :func:`paged_cache`)."""
     kc, vc, ikc, state = cache
     B = h.shape[0]
     p1 = pos[None]
@@ -95,11 +108,15 @@ def _decode_layer(lp, ip, h, pos, cache, cfg, icfg, config, selection):
     iq, ik, iw = _indexer_inputs(ip, x, p1, icfg)
     kc = lax.dynamic_update_slice(kc, k.astype(kc.dtype), (0, pos, 0, 0))
     vc = lax.dynamic_update_slice(vc, v.astype(vc.dtype), (0, pos, 0, 0))
-    ikc = lax.dynamic_update_slice(ikc, ik.astype(ikc.dtype), (0, pos, 0))
+    if table is None:
+        ikc = lax.dynamic_update_slice(ikc, ik.astype(ikc.dtype), (0, pos, 0))
+    else:
+        page = ikc.shape[1]
+        ikc = ikc.at[table[:, pos // page], pos % page].set(ik[:, 0].astype(ikc.dtype))
     n = jnp.full((B,), pos + 1, jnp.int32)
     if selection == "decode":
         res, state = dosa_jax.decode_topk(iq[:, 0], ikc, iw[:, 0], state, lengths=n,
-                                          config=config)
+                                          page_table=table, config=config)
         sel, stats = res.indices, res.stats
     else:
         def one(a):
@@ -112,12 +129,19 @@ def _decode_layer(lp, ip, h, pos, cache, cfg, icfg, config, selection):
     return block_output(lp, h, att, cfg), (kc, vc, ikc, state), stats
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "icfg", "steps", "selection", "config"))
+@functools.partial(jax.jit, static_argnames=("cfg", "icfg", "steps", "selection", "config",
+                                             "page_size"))
 def _generate(params, indexer_layers, prompt, *, cfg: LMConfig, icfg: IndexerConfig, steps: int,
-              selection: str, config):
+              selection: str, config, page_size):
     B, P = prompt.shape
+    length = P + steps if not page_size else -(-(P + steps) // page_size) * page_size
     caches, logits = _prefill(params, indexer_layers, prompt, cfg, icfg, config, selection,
-                              P + steps)
+                              length)
+    table = None
+    if page_size:
+        paged = [paged_cache(ikc, page_size) for _, _, ikc, _ in caches]
+        table = paged[0][1]
+        caches = [(kc, vc, pg, last) for (kc, vc, _, last), (pg, _) in zip(caches, paged)]
     if selection == "decode":   # witnesses: the last prompt query's selection, per layer
         caches = [(kc, vc, ikc, dosa_jax.DecodeState(last)) for kc, vc, ikc, last in caches]
     first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -127,7 +151,8 @@ def _generate(params, indexer_layers, prompt, *, cfg: LMConfig, icfg: IndexerCon
         h = embed(params, tok[:, None])
         new, stats = [], []
         for lp, ip, cache in zip(params["layers"], indexer_layers, caches):
-            h, cache, st = _decode_layer(lp, ip, h, pos, cache, cfg, icfg, config, selection)
+            h, cache, st = _decode_layer(lp, ip, h, pos, cache, cfg, icfg, config, selection,
+                                         table)
             new.append(cache)
             stats.append(st)
         nxt = jnp.argmax(logits_from_hidden(params, h, cfg)[:, 0], axis=-1).astype(jnp.int32)
@@ -141,7 +166,7 @@ def _generate(params, indexer_layers, prompt, *, cfg: LMConfig, icfg: IndexerCon
 
 def generate(params: dict, indexer_layers: list, prompt, cfg: LMConfig, icfg: IndexerConfig, *,
              steps: int, top_k: int, selection: str = "decode",
-             config: Optional[dosa_jax.Config] = None) -> Generation:
+             config: Optional[dosa_jax.Config] = None, page_size: int = 0) -> Generation:
     """Greedy continuation of ``prompt`` [B, P] by ``steps`` tokens under sparse attention.
 
     Args:
@@ -152,6 +177,9 @@ def generate(params: dict, indexer_layers: list, prompt, cfg: LMConfig, icfg: In
       selection: ``"decode"`` (``topk`` prefill, ``decode_topk`` steps) or ``"dense"``
         (``dense_topk`` everywhere; the same tokens).
       config: ``dosa_jax.Config`` of the selection (``top_k`` replaced by ``top_k``).
+      page_size: > 0: the indexer key caches are pages of that many keys with a page table
+        (:func:`paged_cache`; ``decode_topk``'s paged form; ``selection="decode"`` only);
+        0: contiguous [B, L, D].
     Returns:
       :class:`Generation`.
     """
@@ -160,6 +188,10 @@ def generate(params: dict, indexer_layers: list, prompt, cfg: LMConfig, icfg: In
     for name, v in (("steps", steps), ("top_k", top_k)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 0:
+        raise ValueError(f"page_size must be an int >= 0, got {page_size!r}")
+    if page_size and selection != "decode":
+        raise ValueError("page_size (paged indexer keys) needs selection='decode'")
     if len(indexer_layers) != cfg.n_layers:
         raise ValueError(f"indexer_layers has {len(indexer_layers)} layers, the LM {cfg.n_layers}")
     prompt = jnp.asarray(prompt)
@@ -168,5 +200,6 @@ def generate(params: dict, indexer_layers: list, prompt, cfg: LMConfig, icfg: In
                          f"{prompt.dtype} {tuple(prompt.shape)}")
     config = (config or dosa_jax.Config()).replace(top_k=top_k)
     toks, stats = _generate(params, indexer_layers, prompt.astype(jnp.int32), cfg=cfg, icfg=icfg,
-                            steps=steps, selection=selection, config=config)
+                            steps=steps, selection=selection, config=config,
+                            page_size=page_size)
     return Generation(toks, stats)
