@@ -4,6 +4,7 @@
     python -m benchmarks matrix [--N 1048576] [--cases code2_H32,prose1_H64]
     python -m benchmarks kernels                        # per-kernel device profile
     python -m benchmarks select                         # exact_topk vs lax.top_k
+    python -m benchmarks decode [--cases H32]           # decode_topk per step, B = 1, 8, 64
     python -m benchmarks matrix --quick                 # tiny shapes, CPU smoke run
 
 Presets (shapes, cases, timing counts) are data in :mod:`benchmarks.shapes`; the

@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu.sh [STAGE ...]      (default: tests headline matrix)
 #
 # Stages: tests | headline | matrix | matrix1m | matrix1m64 | matrix128k | kernels | select |
-# agreement | context_parallel (CP_ARGS adds options, e.g. --queries 4096)
+# agreement | context_parallel (CP_ARGS adds options, e.g. --queries 4096) |
+# decode | decode32 | decode64 (decode: every row within its time budget; decode32/64: one H each)
 # (matrix1m: the H = 32 cases at N = 1M; matrix1m64: the H = 64 cases; matrix128k: all 16 at
 # N = 128K; matrix: everything, longer than one 10-minute device call). Each stage
 # runs under its own timeout (seconds; TESTS_TIMEOUT, HEADLINE_TIMEOUT, MATRIX_TIMEOUT) so a
@@ -52,7 +53,12 @@ for s in $stages; do
     agreement) run agreement "${AGREEMENT_TIMEOUT:-200}" python -m benchmarks.agreement ;;
     context_parallel) run context_parallel "${CP_TIMEOUT:-580}" python -m benchmarks.context_parallel \
       --out "$OUT" $CP_ARGS ;;
-    *) echo "gpu.sh: unknown stage $s (tests headline matrix matrix1m matrix1m64 matrix128k kernels select agreement context_parallel)" >&2
+    decode) run decode "${DECODE_TIMEOUT:-580}" python -m benchmarks decode --out "$OUT" ;;
+    decode32) run decode32 "${DECODE_TIMEOUT:-580}" python -m benchmarks decode --cases H32 \
+      --tag h32 --out "$OUT" ;;
+    decode64) run decode64 "${DECODE_TIMEOUT:-580}" python -m benchmarks decode --cases H64 \
+      --tag h64 --out "$OUT" ;;
+    *) echo "gpu.sh: unknown stage $s (tests headline matrix matrix1m matrix1m64 matrix128k kernels select agreement context_parallel decode decode32 decode64)" >&2
        exit 2 ;;
   esac
 done

@@ -331,6 +331,12 @@ def select(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
     return tab
 
 
-#: Preset name -> measurement. A decode preset registers here once the library has decode.
+def decode(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
+    """Per-step decode latency against the dense paths (:mod:`benchmarks.decode`)."""
+    from benchmarks import decode as measure
+    return measure.decode(p, Ns, cases, out, meta, repeats, warmup)
+
+
+#: Preset name -> measurement.
 RUNNERS: Dict[str, Callable[..., Table]] = dict(headline=headline, matrix=matrix,
-                                               kernels=kernels, select=select)
+                                               kernels=kernels, select=select, decode=decode)

@@ -51,6 +51,12 @@ class Preset(NamedTuple):
     select_rows: int = 256
     select_cols: int = 1 << 20
     anchor_stride: int = 0
+    # decode: batch sizes B, consecutive steps per timed row, steps of the exactness run,
+    # and the wall-clock budget after which the remaining rows are skipped (reported)
+    batches: Tuple[int, ...] = ()
+    steps: int = 0
+    check_steps: int = 0
+    budget_s: float = float("inf")
 
 
 KiB = 1024
@@ -70,8 +76,9 @@ PRESETS = {p.name: p for p in (
     Preset("kernels", T=16 * KiB, Ns=(MiB,), N_options=LONG_NS, cases=(Case("code", 2),),
            seeds=8192, repeats=3, warmup=1),
     Preset("select", T=0, Ns=(), N_options=(), cases=(), repeats=30, warmup=5),
-    # "decode": add a Preset here (T = decode batch, e.g. 8 or 64) and its measurement in
-    # benchmarks.presets.RUNNERS once the library has a decode path.
+    Preset("decode", T=1, Ns=(MiB, 128 * KiB), N_options=LONG_NS,
+           cases=(Case("code", 2, 32), Case("code", 2, 64)), batches=(1, 8, 64), steps=16,
+           check_steps=1000, repeats=5, warmup=1, budget_s=330),
 )}
 
 #: The same presets at CPU smoke-test size (the fixture's N = 4096, cases it stores).
@@ -86,4 +93,7 @@ QUICK = {
                                            cases=(Case("code", 0),), repeats=2, warmup=1),
     "select": PRESETS["select"]._replace(repeats=2, warmup=1, select_rows=8, select_cols=4096,
                                          K=64),
+    "decode": PRESETS["decode"]._replace(Ns=(4096,), N_options=(4096,), K=64,
+                                         cases=(Case("code", 0),), batches=(1, 2), steps=4,
+                                         check_steps=6, repeats=2, warmup=1, budget_s=600),
 }

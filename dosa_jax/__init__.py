@@ -14,18 +14,21 @@ import importlib
 
 from dosa_jax.api import dense_topk, exact_topk, score, sharded_topk, topk
 from dosa_jax.config import Config
+from dosa_jax.decode import DecodeState, decode_init, decode_topk
 from dosa_jax.inputs import IndexerInputs, causal_ranges
 from dosa_jax.results import Stats, TopKResult
 
 __all__ = [
     "Config", "IndexerInputs", "Stats", "TopKResult", "causal_ranges", "dense_topk",
     "exact_topk", "score", "sharded_topk", "topk",
+    "DecodeState", "decode_init", "decode_topk",
 ]
 __version__ = "0.1.0"
 
 #: Public submodules, imported on first attribute access (PEP 562).
 SUBMODULES = (
     "agreement", "api", "autodiff", "backend", "bounds", "budget", "config", "datasets",
+    "decode",
     "dense", "diagnostics", "enclosure", "inputs", "keys", "lm", "numerics", "pipeline",
     "plan", "planner", "results", "sample", "scorer", "screen", "seeds", "selection",
     "slack", "synthetic", "tiling", "witnesses", "manual_axes",

@@ -11,6 +11,7 @@ implementations take the same arguments and return the same indices.
 
 from __future__ import annotations
 
+import importlib
 from typing import Callable, NamedTuple, Optional
 
 import jax
@@ -38,12 +39,15 @@ class Implementation(NamedTuple):
     exact_topk(scores, k, valid=None) -> (indices, scores);
     scorer_error(q, w, k_dtype, unit_roundoff) -> [T] relative error coefficient C of the
     backend's scorer (DESIGN §9, Eq. 26), for the cross-backend contract (``agreement``).
+    decode_topk(q, k, w, ids, k_scale, lengths, page_table, config) -> (indices, scores,
+    DecodeStats), one decode step (:mod:`dosa_jax.decode`; None: the reference answers).
     """
 
     topk: Callable
     dense_topk: Callable
     exact_topk: Callable
     scorer_error: Callable
+    decode_topk: Optional[Callable] = None
 
 
 def _reference_scorer_error(q, w, k_dtype, unit_roundoff):
@@ -63,10 +67,13 @@ def _pallas() -> Implementation:
         import pallas_kernels.pipeline as pipeline  # the one lazy edge to the kernels
         import pallas_kernels.select as select
         import pallas_kernels.numerics as numerics
+        # the decode kernels: reached from here only, lazily, as the others
+        decode = importlib.import_module("pallas_kernels.decode")
     except ImportError as e:  # pragma: no cover - exercised only without the package
         raise NotImplementedError(f"backend='pallas' needs pallas_kernels: {e}") from e
     return Implementation(pipeline.dosa_topk, pipeline.dense_topk, select.exact_topk,
-                          lambda q, w, k_dtype, _u: numerics.scorer_error_coefficient(q, w, k_dtype))
+                          lambda q, w, k_dtype, _u: numerics.scorer_error_coefficient(q, w, k_dtype),
+                          decode_topk=decode.decode_topk)
 
 
 #: Backend name -> loader of its :class:`Implementation` (loaded on first use).

@@ -1,0 +1,417 @@
+"""Decode: exact Top-K for every generated token with temporal witnesses (paper Sec. 3; DESIGN §11).
+
+With one (or a few) queries per sequence and step, screening has little reuse, so every
+visible key is scored in full. What changes is the selection: the distinct keys selected in
+the previous step, rescored for the current query, are *witnesses* (Eq. 2 with S = last
+step's selection). Their K-th largest current score τ_w is a certified lower bound on the
+K-th score τ* — K distinct visible keys already score ≥ τ_w — so only keys with
+``s ≥ τ_w`` (ties included) can be in the Top-K. Those are compacted into a bounded buffer
+and selected exactly; the selection becomes the next step's witnesses. When fewer than K
+distinct visible witnesses exist (first step, short sequence, stale ids), τ_w = −inf and
+every visible key is a candidate. When more candidates than the buffer holds clear τ_w
+(a topic change makes the witnesses useless), the step falls back to exact selection over
+all scores (``lax.cond``, no host sync). Either way the answer is ``dense_topk``'s, bitwise.
+
+    state = dosa_jax.decode_init(batch, config)
+    res, state = dosa_jax.decode_topk(q, k, w, state, k_scale=s, lengths=n, config=config)
+
+Keys are contiguous per sequence (k [B, N, D], ``lengths`` [B]) or paged (k [P, page, D]
+pages, ``page_table`` [B, max_pages] page ids, ``lengths`` [B]): sequence b sees its first
+``lengths[b]`` keys, key i of a paged sequence living at row ``i % page`` of page
+``page_table[b, i // page]``. Shapes are static and nothing leaves the device, so a step
+runs under ``jax.jit``, ``lax.scan`` and ``lax.while_loop``.
+
+This module holds the API, the state and the reference (pure jnp) implementation; the
+Pallas kernels (``pallas_kernels.decode``) are reached through the dispatch table
+(:data:`dosa_jax.api.IMPLEMENTATIONS`, field ``decode_topk``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from dosa_jax.backend import candidates
+from dosa_jax.config import Config
+from dosa_jax.inputs import FLOAT_INPUT_DTYPES, FP8_DTYPE
+from dosa_jax.results import TopKResult
+from dosa_jax.scorer import full_scores_tile
+from dosa_jax.seeds import distinct_visible
+from dosa_jax.selection import INT32_MIN, key_to_score, order_key, select_by_position
+
+Array = jax.Array
+
+#: Most queries per sequence and step (speculative / multi-token decode).
+MAX_QUERIES = 4
+#: Order key that accepts every eligible score (one above the NaN key).
+ACCEPT_ALL = int(INT32_MIN) + 1
+
+__all__ = ["DecodeState", "DecodeStats", "MAX_QUERIES", "candidate_capacity", "decode_init",
+           "decode_topk", "decode_topk_reference", "fit_witnesses", "select_with_witnesses",
+           "witness_threshold"]
+
+
+class DecodeState(NamedTuple):
+    """What a decode step carries to the next (a pytree of one array).
+
+    ids: [B, W] int32 witness key ids per sequence: the previous step's selection
+    (all M queries' ids, −1 pads). Any ids are harmless: invisible, negative, repeated or
+    stale ids (a slot reused by another sequence) are ignored or only loosen τ_w.
+    """
+
+    ids: Array
+
+
+class DecodeStats(NamedTuple):
+    """Per-query statistics of a decode step ([B] or [B, M] arrays, as the indices).
+
+    visible: keys the query sees (``lengths``). witnesses: distinct visible witness ids.
+    tau_witness: τ_w, the K-th largest witness score (−inf with fewer than K witnesses).
+    candidates: keys with s ≥ τ_w (every visible key when τ_w = −inf; the Pallas scan counts
+    the keys it appended, fewer when a full record buffer raised its threshold mid-scan).
+    overflow: 1 where the candidates exceeded a buffer (``Config.capacity``; on the Pallas
+    backend also a record buffer compacted mid-scan) and an exact fallback answered.
+    """
+
+    visible: Array
+    witnesses: Array
+    tau_witness: Array
+    candidates: Array
+    overflow: Array
+
+
+def candidate_capacity(config: Config) -> int:
+    """Compaction buffer per query: ``Config.capacity`` (at least K), default 2·K."""
+    K = config.top_k
+    return max(K, config.capacity if config.capacity is not None else 2 * K)
+
+
+def decode_init(batch: int, config: Optional[Config] = None, *, queries: int = 1,
+                witnesses: Optional[int] = None) -> DecodeState:
+    """Empty witnesses for ``batch`` sequences: ``ids`` [batch, W] all −1.
+
+    W = ``witnesses`` or ``queries · top_k`` (each step stores all its queries' selections).
+    """
+    config = config or Config()
+    if not isinstance(config, Config):
+        raise TypeError(f"config must be a dosa_jax.Config, got {type(config).__name__}")
+    for name, v in (("batch", batch), ("queries", queries)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if queries > MAX_QUERIES:
+        raise ValueError(f"queries must be <= {MAX_QUERIES}, got {queries}")
+    W = queries * config.top_k if witnesses is None else witnesses
+    if isinstance(W, bool) or not isinstance(W, int) or W < 1:
+        raise ValueError(f"witnesses must be an int >= 1, got {W!r}")
+    return DecodeState(jnp.full((batch, W), -1, jnp.int32))
+
+
+# ------------------------------------------------------------------ argument checking
+
+def _array(name, x):
+    if x is None:
+        raise TypeError(f"{name} is required")
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    return x
+
+
+def _check_int_array(name, x, shape):
+    _array(name, x)
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array, got {x.dtype}")
+    return jnp.asarray(x).astype(jnp.int32)
+
+
+def check_decode_inputs(q, k, w, state, k_scale, lengths, page_table):
+    """Validate and normalise the decode arguments, naming the argument at fault.
+
+    Returns (q [B, M, H, D], k, w [B, M, H] float32, ids [B, W] int32, k_scale or None,
+    lengths [B] int32 clipped to [0, capacity], page_table [B, max_pages] int32 or None,
+    squeeze: q was [B, H, D]).
+    """
+    for name, x in (("q", q), ("k", k), ("w", w)):
+        _array(name, x)
+    if not isinstance(state, DecodeState):
+        raise TypeError(f"state must be a dosa_jax.DecodeState (from decode_init), got "
+                        f"{type(state).__name__}")
+    if q.ndim not in (3, 4):
+        raise ValueError(f"q must have shape [B, H, D] or [B, M, H, D], got {tuple(q.shape)}")
+    squeeze = q.ndim == 3
+    if squeeze:
+        q = q[:, None]
+    B, M, H, D = q.shape
+    if M < 1 or M > MAX_QUERIES:
+        raise ValueError(f"q: M (queries per sequence) must be in [1, {MAX_QUERIES}], got {M}")
+    if H < 1 or D < 1:
+        raise ValueError(f"q must have H >= 1 and D >= 1, got shape {tuple(q.shape)}")
+    want_w = (B, H) if squeeze else (B, M, H)
+    if tuple(w.shape) != want_w:
+        raise ValueError(f"w must have shape {want_w} (as q), got {tuple(w.shape)}")
+    if not jnp.issubdtype(w.dtype, jnp.floating) or jnp.dtype(w.dtype) == FP8_DTYPE \
+            or jnp.dtype(w.dtype).itemsize > 4:
+        raise TypeError(f"w must be float32, got {w.dtype}")
+    w = jnp.asarray(w).astype(jnp.float32).reshape(B, M, H)
+    for name, x in (("q", q), ("k", k)):
+        if jnp.dtype(x.dtype) not in FLOAT_INPUT_DTYPES:
+            raise TypeError(f"{name} must be float32, bfloat16, float16 or float8_e4m3fn, "
+                            f"got {x.dtype}")
+    if k.ndim != 3:
+        raise ValueError(f"k must have shape [B, N, D] (contiguous) or [P, page, D] (paged), "
+                         f"got {tuple(k.shape)}")
+    if k.shape[2] != D:
+        raise ValueError(f"k has head dimension {k.shape[2]} but q has D={D}")
+    if page_table is None:
+        if k.shape[0] != B:
+            raise ValueError(f"k must have shape [B, N, D] with B={B} (or pass page_table for "
+                             f"paged keys), got {tuple(k.shape)}")
+        capacity = k.shape[1]
+    else:
+        _array("page_table", page_table)
+        if page_table.ndim != 2 or page_table.shape[0] != B:
+            raise ValueError(f"page_table must have shape [B, max_pages] with B={B}, got "
+                             f"{tuple(page_table.shape)}")
+        page_table = _check_int_array("page_table", page_table, page_table.shape)
+        if lengths is None:
+            raise ValueError("lengths is required with page_table (keys per sequence)")
+        # an out-of-range page id would read another sequence's keys: clip, never read outside
+        page_table = jnp.clip(page_table, 0, k.shape[0] - 1)
+        capacity = page_table.shape[1] * k.shape[1]
+    if k_scale is None:
+        if jnp.dtype(k.dtype) == FP8_DTYPE:
+            raise ValueError("k_scale is required for float8_e4m3fn keys (k = k_scale[..., None] "
+                             "* payload)")
+    else:
+        _array("k_scale", k_scale)
+        if tuple(k_scale.shape) != tuple(k.shape[:2]):
+            raise ValueError(f"k_scale must have shape {tuple(k.shape[:2])} (k's first two "
+                             f"axes), got {tuple(k_scale.shape)}")
+        if jnp.dtype(k_scale.dtype) != jnp.dtype(jnp.float32):
+            raise TypeError(f"k_scale must be float32, got {k_scale.dtype}")
+    if lengths is None:
+        lengths = jnp.full((B,), capacity, jnp.int32)
+    lengths = jnp.clip(_check_int_array("lengths", lengths, (B,)), 0, capacity)
+    ids = state.ids
+    if not hasattr(ids, "shape") or ids.ndim != 2 or ids.shape[0] != B:
+        raise ValueError(f"state.ids must have shape [B, W] with B={B}, got "
+                         f"{getattr(ids, 'shape', None)}")
+    ids = _check_int_array("state.ids", ids, ids.shape)
+    return q, k, w, ids, k_scale, lengths, page_table, squeeze
+
+
+def _config(config) -> Config:
+    config = config or Config()
+    if not isinstance(config, Config):
+        raise TypeError(f"config must be a dosa_jax.Config, got {type(config).__name__}")
+    return config
+
+
+# ------------------------------------------------------------------ the selection (pure jnp)
+
+def witness_threshold(keys: Array, witness_ids: Array, length, K: int) -> Array:
+    """τ_w as an order key per query: the K-th largest current key of the distinct visible
+    witnesses (Eq. 2), ``ACCEPT_ALL`` with fewer than K of them.
+
+    Args:
+      keys: [M, Npad] int32 order keys of every key of the sequence (``INT32_MIN`` where
+        not eligible: invisible or NaN).
+      witness_ids: [W] int32 ids (any values).
+      length: scalar visible keys.
+    Returns:
+      (θ [M] int32, distinct visible witnesses scalar int32).
+    """
+    first = distinct_visible(witness_ids[None, :], jnp.zeros((1,), jnp.int32),
+                             jnp.reshape(length, (1,)).astype(jnp.int32))[0]
+    wk = jnp.take(keys, jnp.clip(witness_ids, 0, keys.shape[1] - 1), axis=1)
+    wk = jnp.where(first[None, :], wk, INT32_MIN)
+    if wk.shape[1] < K:
+        return jnp.full((keys.shape[0],), ACCEPT_ALL, jnp.int32), jnp.sum(first, dtype=jnp.int32)
+    kth = lax.top_k(wk, K)[0][:, K - 1]
+    return jnp.where(kth == INT32_MIN, ACCEPT_ALL, kth), jnp.sum(first, dtype=jnp.int32)
+
+
+def select_compacted(keys: Array, theta: Array, K: int, capacity: int):
+    """Exact Top-K of key rows [M, Npad] (position = key id) through a bounded buffer.
+
+    Every eligible key ≥ θ (a lower bound on the K-th key) is compacted, in id order, into
+    ``capacity`` slots; Top-K of the buffer (``lax.top_k``: stable, so id order breaks
+    ties). Rows with more candidates than ``capacity`` take the exact selection over all
+    keys instead (computed only when some row needs it: ``lax.cond``).
+
+    Returns (indices [M, K], scores [M, K], candidates [M], overflow [M] bool).
+    """
+    M, n = keys.shape
+    elig = keys != INT32_MIN
+    cand = elig & (keys >= theta[:, None])
+    count = jnp.sum(cand, axis=1, dtype=jnp.int32)
+    pos = jnp.cumsum(cand.astype(jnp.int32), axis=1) - 1
+    rows = jnp.broadcast_to(jnp.arange(M)[:, None], (M, n))
+    dest = jnp.where(cand & (pos < capacity), pos, capacity)
+    ck = jnp.full((M, capacity), INT32_MIN, jnp.int32).at[rows, dest].set(keys, mode="drop")
+    ci = jnp.full((M, capacity), -1, jnp.int32).at[rows, dest].set(
+        jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[None, :], (M, n)), mode="drop")
+    top_key, top_pos = lax.top_k(ck, K)
+    comp = (jnp.where(top_key == INT32_MIN, -1, jnp.take_along_axis(ci, top_pos, axis=1)),
+            key_to_score(top_key))
+    over = count > capacity
+
+    def fallback(c):
+        fi, fs = _select_keys(keys, K)
+        return jnp.where(over[:, None], fi, c[0]), jnp.where(over[:, None], fs, c[1])
+
+    idx, sc = lax.cond(jnp.any(over), fallback, lambda c: c, comp)
+    return idx, sc, count, over
+
+
+def _select_keys(keys: Array, K: int):
+    """Exact Top-K of order-key rows (position = id; ``INT32_MIN`` not eligible)."""
+    n = keys.shape[1]
+    kk = min(K, n)
+    top_key, top_pos = lax.top_k(keys, kk)
+    idx = jnp.where(top_key == INT32_MIN, -1, top_pos.astype(jnp.int32))
+    sc = key_to_score(top_key)
+    if kk < K:
+        idx = jnp.pad(idx, ((0, 0), (0, K - kk)), constant_values=-1)
+        sc = jnp.pad(sc, ((0, 0), (0, K - kk)), constant_values=-jnp.inf)
+    return idx, sc
+
+
+def select_with_witnesses(scores: Array, length, witness_ids: Array, K: int, capacity: int):
+    """One sequence's decode selection from its scores [M, Npad] (keys ≥ ``length`` invisible).
+
+    Returns (indices [M, K], scores [M, K], DecodeStats of [M] arrays).
+    """
+    M, n = scores.shape
+    vis = jnp.arange(n, dtype=jnp.int32)[None, :] < length
+    keys = jnp.where(vis, order_key(scores), INT32_MIN)
+    theta, n_wit = witness_threshold(keys, witness_ids, length, K)
+    if capacity >= n:   # the buffer holds every key: select directly (same answer)
+        idx, sc = _select_keys(keys, K)
+        count = jnp.sum((keys != INT32_MIN) & (keys >= theta[:, None]), axis=1, dtype=jnp.int32)
+        over = jnp.zeros((M,), bool)
+    else:
+        idx, sc, count, over = select_compacted(keys, theta, K, capacity)
+    stats = DecodeStats(visible=jnp.full((M,), length, jnp.int32),
+                        witnesses=jnp.full((M,), n_wit, jnp.int32),
+                        tau_witness=jnp.where(theta == ACCEPT_ALL, -jnp.inf, key_to_score(theta)),
+                        candidates=count, overflow=over.astype(jnp.int32))
+    return idx, sc, stats
+
+
+def fit_witnesses(indices: Array, W: int) -> Array:
+    """The next state's ids [B, W] from this step's indices [B, M, K] (−1 padded or cut)."""
+    B = indices.shape[0]
+    flat = indices.reshape(B, -1).astype(jnp.int32)
+    if flat.shape[1] >= W:
+        return flat[:, :W]
+    return jnp.pad(flat, ((0, 0), (0, W - flat.shape[1])), constant_values=-1)
+
+
+def sequence_keys(k, k_scale, page_table, b):
+    """Sequence b's keys [capacity, D] (and scales) in position order (a gather for pages)."""
+    if page_table is None:
+        return k[b], None if k_scale is None else k_scale[b]
+    pages = page_table[b]
+    kb = jnp.take(k, pages, axis=0).reshape((-1, k.shape[2]))
+    sb = None if k_scale is None else jnp.take(k_scale, pages, axis=0).reshape(-1)
+    return kb, sb
+
+
+def decode_topk_reference(q, k, w, ids, k_scale, lengths, page_table, config: Config):
+    """The reference decode step on validated inputs (q [B, M, H, D], w [B, M, H]).
+
+    Each sequence's queries are scored as one query tile by the canonical scorer
+    (:func:`dosa_jax.scorer.full_scores_tile`, ``Config.key_block`` blocks: exactly the
+    arithmetic of ``dense_topk``'s reference path on the sequence's keys), then
+    :func:`select_with_witnesses`. Returns (indices [B, M, K], scores, DecodeStats [B, M]).
+    """
+    K, cap = config.top_k, candidate_capacity(config)
+
+    def one(b):
+        kb, sb = sequence_keys(k, k_scale, page_table, b)
+        s = full_scores_tile(q[b], w[b], kb, sb, config.key_block)
+        return select_with_witnesses(s, lengths[b], ids[b], K, cap)
+
+    return lax.map(one, jnp.arange(q.shape[0]))
+
+
+def _call(backend: str, *args):
+    """The first implementation for ``backend`` that answers (the reference always does)."""
+    from dosa_jax import api   # the dispatch table (api imports nothing of this module)
+    reasons = []
+    for name in candidates(backend):
+        if name == "reference":
+            return decode_topk_reference(*args)
+        try:
+            fn = api.implementation(name).decode_topk
+            if fn is None:
+                raise NotImplementedError("no decode kernels registered")
+            return fn(*args)
+        except NotImplementedError as e:
+            reasons.append(f"{name}: {e}")
+    raise NotImplementedError(f"no implementation of decode_topk for backend={backend!r}: "
+                              + "; ".join(reasons))
+
+
+def decode_topk(q, k, w, state: DecodeState, *, k_scale=None, lengths=None, page_table=None,
+                config: Optional[Config] = None):
+    """One decode step: the exact Top-K of every sequence's query(ies), and the next state.
+
+    Args:
+      q: [B, H, D] (one query per sequence) or [B, M, H, D] (M ≤ 4 queries per sequence, all
+        seeing the same keys).
+      k: contiguous [B, N, D], or paged [P, page, D] with ``page_table``.
+      w: [B, H] (or [B, M, H]) float32 head weights.
+      state: :class:`DecodeState` (``decode_init``, then each step's returned state).
+      k_scale: [B, N] (or [P, page]) float32 per-key scales; required for FP8 keys.
+      lengths: [B] visible keys per sequence (default: all N; required when paged);
+        clipped to [0, capacity]. Length 0 gives all pads.
+      page_table: [B, max_pages] page ids of each sequence (paged keys); ids outside
+        [0, P) are clipped.
+      config: :class:`Config` (static): ``top_k``, ``capacity`` (compaction buffer per query,
+        default 2·K), ``key_block``, ``backend``.
+    Returns:
+      (TopKResult with indices [B, K] (or [B, M, K]) int32 sequence positions (score desc,
+      id asc; −1 pads), scores float32 (−inf pads), stats :class:`DecodeStats`; the next
+      :class:`DecodeState`). Indices and scores equal, bitwise, ``dense_topk`` of each
+      sequence's queries over its first ``lengths[b]`` keys on the same backend.
+    """
+    config = _config(config)
+    q, k, w, ids, k_scale, lengths, page_table, squeeze = check_decode_inputs(
+        q, k, w, state, k_scale, lengths, page_table)
+    sg = lax.stop_gradient
+    args = (sg(q), sg(k), sg(w), ids, None if k_scale is None else sg(k_scale), lengths,
+            page_table, config)
+    idx, sc, stats = _call(config.backend, *args)
+    sc = _differentiable(q, k, w, k_scale, page_table, idx, sc)
+    new_state = DecodeState(fit_witnesses(idx, ids.shape[1]))
+    if squeeze:
+        idx, sc = idx[:, 0], sc[:, 0]
+        stats = jax.tree_util.tree_map(lambda x: x[:, 0], stats)
+    return TopKResult(idx, sc, stats), new_state
+
+
+def _differentiable(q, k, w, k_scale, page_table, idx, sc):
+    """Scores carrying the scorer's derivative at the selected keys (as ``dense_topk``'s):
+    the sequences' keys as one table (rows of the pages, or b·N + i), ids as rows."""
+    from dosa_jax import autodiff
+    B, M, H, D = q.shape
+    K = idx.shape[-1]
+    flat_k = k.reshape((-1, k.shape[-1]))
+    flat_s = None if k_scale is None else k_scale.reshape(-1)
+    if page_table is None:
+        rows = jnp.arange(B, dtype=jnp.int32)[:, None, None] * k.shape[1] + idx
+    else:
+        page = k.shape[1]
+        pg = jnp.take_along_axis(page_table[:, None, :],
+                                 jnp.clip(idx // page, 0, page_table.shape[1] - 1), axis=2)
+        rows = pg * page + idx % page
+    rows = jnp.where(idx >= 0, rows, -1).reshape(B * M, K)
+    out = autodiff.selected_scores(q.reshape(B * M, H, D), flat_k, w.reshape(B * M, H), flat_s,
+                                   lax.stop_gradient(rows), sc.reshape(B * M, K))
+    return out.reshape(B, M, K)
