@@ -528,6 +528,10 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="steps per λ (default: fitted to "
                     "--seconds-per-run from the first run's timed steps)")
     ap.add_argument("--budget-seconds", type=float, default=None)
+    ap.add_argument("--coverage-queries", type=int, default=None,
+                    help="positions per coverage measurement (default 512)")
+    ap.add_argument("--survival-queries", type=int, default=None,
+                    help="queries (strided over T) per survival measurement (default: all T)")
     ap.add_argument("--probe", action="store_true",
                     help="only the slack-vs-KL magnitude probe on the committed model (CPU)")
     a = ap.parse_args(argv)
@@ -554,6 +558,12 @@ def main(argv=None) -> int:
         plan = plan._replace(steps=a.steps)
     if a.budget_seconds is not None:
         plan = plan._replace(budget_seconds=a.budget_seconds)
+    for name in ("coverage_queries", "survival_queries"):
+        v = getattr(a, name)
+        if v is not None:
+            if v < 1:
+                ap.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+            plan = plan._replace(**{name: v})
     tab = run(plan, a.out, a.quick)
     log(tab.markdown())
     return 1 if tab.errors else 0

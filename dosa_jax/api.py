@@ -11,7 +11,6 @@ implementations take the same arguments and return the same indices.
 
 from __future__ import annotations
 
-import importlib
 from typing import Callable, NamedTuple, Optional
 
 import jax
@@ -67,8 +66,7 @@ def _pallas() -> Implementation:
         import pallas_kernels.pipeline as pipeline  # the one lazy edge to the kernels
         import pallas_kernels.select as select
         import pallas_kernels.numerics as numerics
-        # the decode kernels: reached from here only, lazily, as the others
-        decode = importlib.import_module("pallas_kernels.decode")
+        import pallas_kernels.decode as decode
     except ImportError as e:  # pragma: no cover - exercised only without the package
         raise NotImplementedError(f"backend='pallas' needs pallas_kernels: {e}") from e
     return Implementation(pipeline.dosa_topk, pipeline.dense_topk, select.exact_topk,

@@ -111,7 +111,7 @@ def test_options_parse_and_name_the_bad_argument():
     with pytest.raises(ValueError, match="--cases"):
         entry.parse_cases("H16", m)
     with pytest.raises(SystemExit):
-        entry.run(["decode"])      # not a preset until the library has a decode path
+        entry.run(["nonsense"])    # not a preset
 
 
 def test_tile_specs_parse_seeds_and_anchors():

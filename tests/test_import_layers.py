@@ -13,7 +13,8 @@ PACKAGES = ("dosa_jax", "pallas_kernels")
 #: The one allowed dosa_jax -> pallas_kernels edge: the api's lazy loader of the kernels.
 ALLOWED_KERNEL_EDGES = {("dosa_jax.api", "pallas_kernels.pipeline"),
                         ("dosa_jax.api", "pallas_kernels.select"),
-                        ("dosa_jax.api", "pallas_kernels.numerics")}
+                        ("dosa_jax.api", "pallas_kernels.numerics"),
+                        ("dosa_jax.api", "pallas_kernels.decode")}
 
 
 def _modules():
