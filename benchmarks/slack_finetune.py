@@ -94,6 +94,7 @@ class Plan(NamedTuple):
     budget_seconds: float = 500.0
     timing_reserve: float = 60.0                   # seconds kept for the timing stage
     coverage_tolerance: float = 0.005
+    evaluate: str = ""                             # read each λ's weights from here, no training
 
 
 FULL = Plan()
@@ -160,6 +161,18 @@ def export_and_reload(path: str, weights, indexers, meta: dict):
     checkpoint.export_weights(path, lm_cfg, lm, indexers, meta)
     dump.load_default_weights.cache_clear()
     return dump.load_default_weights(path)
+
+
+def reload_weights(directory: str, lam: float):
+    """(path, weights) of λ's file ``weights_lambda_<λ>.npz`` written by an earlier run into
+    ``directory`` (``--evaluate``: measure without training again)."""
+    from dosa_jax.lm import dump
+    path = os.path.join(directory, f"weights_lambda_{lam:g}.npz")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--evaluate: {path} is missing (written by a training run "
+                                "of python -m benchmarks.slack_finetune --out DIR)")
+    dump.load_default_weights.cache_clear()
+    return path, dump.load_default_weights(path)
 
 
 def lm_unchanged(a, b) -> bool:
@@ -379,7 +392,7 @@ def run(plan: Plan, out: str, quick: bool) -> Table:
     longc = LongContext(weights, plan.N)
     jax.block_until_ready(longc.h)
     clock.log(f"long-context hidden states (N={plan.N}) ready")
-    trainer = Trainer(tc, weights, plan, clock)
+    trainer = None if plan.evaluate else Trainer(tc, weights, plan, clock)
     cfg = dosa_jax.Config(top_k=plan.K, seed_size=plan.seeds, backend="auto")
     f_screened, _ = jitted_paths(cfg.replace(dense_switch=float("inf")))
     f_dosa, f_dense = jitted_paths(cfg)
@@ -387,21 +400,29 @@ def run(plan: Plan, out: str, quick: bool) -> Table:
     eval_est = None     # seconds of the last λ's measurements (the first includes compiles)
     for lam in plan.lambdas:
         if eval_est is not None and not clock.fits(
-                trainer.total * trainer.step_seconds + eval_est + plan.timing_reserve):
+                (0.0 if trainer is None else trainer.total * trainer.step_seconds)
+                + eval_est + plan.timing_reserve):
             tab.error(f"λ={lam}: skipped, {clock.elapsed():.0f}s of {plan.budget_seconds:.0f}s "
                       "used")
             continue
         try:
-            params, info = trainer.run(lam)
-            clock.log(f"λ={lam}: trained {info['steps']} steps in {info['train_seconds']:.1f}s")
-            tab.meta.update(steps_per_lambda=trainer.total, step_ms=trainer.step_seconds * 1e3)
-            p8 = trainer.train.roundtrip_int8(params)
-            inds = {h: (weights[2][h][0], p8[str(h)]) for h in heads}
-            path = os.path.join(out, f"weights_lambda_{lam:g}.npz")
-            wl = export_and_reload(path, weights, inds, dict(
-                slack_fine_tuning=dict(lam=lam, train_preset=plan.train_preset,
-                                       train_config=repr(dataclasses.replace(tc)), **info),
-                base_weights=weights[3]))
+            if trainer is None:    # --evaluate: the weights files of an earlier run
+                path, wl = reload_weights(plan.evaluate, lam)
+                info = dict(steps=wl[3].get("slack_fine_tuning", {}).get("steps"))
+                clock.log(f"λ={lam}: read {path} ({info['steps']} steps)")
+            else:
+                params, info = trainer.run(lam)
+                clock.log(f"λ={lam}: trained {info['steps']} steps in "
+                          f"{info['train_seconds']:.1f}s")
+                tab.meta.update(steps_per_lambda=trainer.total,
+                                step_ms=trainer.step_seconds * 1e3)
+                p8 = trainer.train.roundtrip_int8(params)
+                inds = {h: (weights[2][h][0], p8[str(h)]) for h in heads}
+                path = os.path.join(out, f"weights_lambda_{lam:g}.npz")
+                wl = export_and_reload(path, weights, inds, dict(
+                    slack_fine_tuning=dict(lam=lam, train_preset=plan.train_preset,
+                                           train_config=repr(dataclasses.replace(tc)), **info),
+                    base_weights=weights[3]))
             files[lam] = path
             if not lm_unchanged(weights, wl):
                 tab.error(f"λ={lam}: the exported LM differs from the base LM")
@@ -532,6 +553,9 @@ def main(argv=None) -> int:
                     help="positions per coverage measurement (default 512)")
     ap.add_argument("--survival-queries", type=int, default=None,
                     help="queries (strided over T) per survival measurement (default: all T)")
+    ap.add_argument("--evaluate", default="", metavar="DIR",
+                    help="measure the weights_lambda_<λ>.npz files an earlier run wrote to DIR "
+                         "instead of training")
     ap.add_argument("--probe", action="store_true",
                     help="only the slack-vs-KL magnitude probe on the committed model (CPU)")
     a = ap.parse_args(argv)
@@ -564,6 +588,13 @@ def main(argv=None) -> int:
             if v < 1:
                 ap.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
             plan = plan._replace(**{name: v})
+    if not a.quick and plan.coverage_queries % 512:
+        ap.error(f"--coverage-queries must be a multiple of 512 (the coverage's query block), "
+                 f"got {plan.coverage_queries}")
+    if a.evaluate:
+        if not os.path.isdir(a.evaluate):
+            ap.error(f"--evaluate: no directory {a.evaluate!r}")
+        plan = plan._replace(evaluate=a.evaluate)
     tab = run(plan, a.out, a.quick)
     log(tab.markdown())
     return 1 if tab.errors else 0

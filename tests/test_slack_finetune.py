@@ -45,6 +45,17 @@ def test_quick_run_writes_rows_weights_and_timings(tmp_path):
     assert not eq(ind_b[4][1], ind_s[4][1])
     assert meta["slack_fine_tuning"]["lam"] == chosen
     assert os.path.exists(os.path.join(out, "slack_finetune.md"))
+    # --evaluate measures the same files again without training: the same measurements
+    out2 = os.path.join(out, "again")
+    assert sf.main(["--quick", "--out", out2, "--evaluate", out]) == 0
+    with open(os.path.join(out2, "slack_finetune.json")) as f:
+        again = json.load(f)["rows"]
+    key = lambda r: (r["lambda"], r["heads"], r["layer"])
+    for a, b in zip(sorted(rows, key=key), sorted(again, key=key)):
+        assert key(a) == key(b) and a["steps"] == b["steps"]
+        for c in ("kl_heldout", "survival") + tuple(
+                f"cov_{d}_N{N}" for d in ("code", "prose") for N in plan.lengths):
+            assert a[c] == b[c], c
 
 
 def _rows(lam, cov, surv):
