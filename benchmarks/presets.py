@@ -86,13 +86,18 @@ def bitwise_equal(a_idx, a_sc, b_idx, b_sc) -> bool:
 
 
 def stats_summary(stats) -> Dict[str, float]:
-    """Survival (survivors / visible, all queries) and the median τ/τ* over queries with τ* > 0."""
+    """Survival (survivors / visible, all queries), the median τ/τ* over queries with τ* > 0, and
+    the shares of queries whose candidate lists overflowed, that were rescanned after a
+    fault, and that were answered by the dense pass (the cost model's missing terms)."""
     surv = np.asarray(stats.survivors, np.float64)
     vis = np.asarray(stats.visible, np.float64)
     tau = np.asarray(stats.tau_seed, np.float64)
     tstar = np.asarray(stats.tau_final, np.float64)
     ok = np.isfinite(tau) & np.isfinite(tstar) & (tstar > 0)
     return dict(survival=float(surv.sum() / max(vis.sum(), 1.0)),
+                overflow_share=float(np.mean(np.asarray(stats.overflows) > 0)),
+                recovery_share=float(np.mean(np.asarray(stats.recoveries) > 0)),
+                dense_share_screened=float(np.mean(np.asarray(stats.dense))),
                 tau_over_tau_star=float(np.median(tau[ok] / tstar[ok])) if ok.any() else None,
                 tau_star_positive=float(np.mean(tstar > 0)))
 
@@ -202,6 +207,9 @@ def matrix(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
             ("dense_over_screened", "dense/screened"), ("predicted_cost", "predicted DoSA/dense"),
             ("dense_share", "queries answered densely"),
             ("cost_terms", "cost terms (screen, refine, dense)"),
+            ("overflow_share", "screened: queries overflowed"),
+            ("recovery_share", "screened: queries rescanned"),
+            ("dense_share_screened", "screened: queries in the dense pass"),
             ("anchored_ms", f"DoSA, anchors every {p.anchor_stride}, ms"),
             ("dense_over_anchored", "dense/anchored"), ("anchored_survival", "anchored survival"),
             ("survival", "survival (τ)"), ("tau_over_tau_star", "τ/τ*"),

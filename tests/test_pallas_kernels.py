@@ -336,8 +336,9 @@ def _bitwise_inputs():
                                 query_dtype="bfloat16")
 
 
-@pytest.mark.parametrize("tiles", [TILES, TILES_KC, TILES_KC._replace(screen_pack=True)],
-                         ids=["hk", "kc", "kc_packed_masks"])
+# packed masks end to end: tests/test_screen_classes.py (two budget classes) and the screen
+# kernel's twin test above
+@pytest.mark.parametrize("tiles", [TILES, TILES_KC], ids=["hk", "kc"])
 def test_dosa_pallas_equals_dense_pallas_bitwise(tiles):
     """DoSA == dense bitwise (two scoring and screening layouts), vs the twin, the screening
     bound on every key, τ from the seed kernel; with the hk tiles also groups sent straight
@@ -562,12 +563,12 @@ def test_kth_largest_keys_radix_search():
                                       np.asarray(kth_largest_keys(odd, k)[0]))
 
 
-@pytest.mark.parametrize("tiles", [TILES, TILES._replace(refine_slices=3),
-                                   TILES._replace(screen_pack=True)],
-                         ids=["one_slice", "three_slices", "packed_masks"])
+@pytest.mark.parametrize("tiles", [TILES, TILES._replace(refine_slices=3, screen_pack=True)],
+                         ids=["one_slice", "three_slices_packed_masks"])
 def test_dosa_overflow_recovers_exactly(tiles):
     """float32 inputs (two bf16 pieces each) and survivor lists too small: exact via recovery
-    (also with each list refined in three slices: the recovery then scans in as many splits)."""
+    (also with each list refined in three slices, the recovery then scanning in as many
+    splits, and the screen's masks packed two groups per byte)."""
     inp = synthetic.gaussian(T=8, N=700, H=4, D=32, seed=1)
     cfg = Config(top_k=32, retained_heads=2, seed_size=64, capacity=16,   # lists overflow
                  dense_switch=float("inf"))
