@@ -236,7 +236,8 @@ def workspace_bytes(B: int, K: int, W: int, D: int, *, capacity=None, splits: in
     """Device bytes a decode step allocates besides the key cache (independent of N).
 
     records: order keys + ids of C slots per (query slot, split); counts; the witness table
-    (gathered keys, scales, entries, order keys); the selection buffer (keys + ids).
+    (gathered keys, scales, entries, order keys); the selection buffer and the witnesses below
+    τ_w (keys + ids: what the next witnesses are chosen from).
     """
     C = capacity_for(K, key_tile, 2 * K)
     T = B * SLOTS
@@ -244,7 +245,7 @@ def workspace_bytes(B: int, K: int, W: int, D: int, *, capacity=None, splits: in
     Wp = round_up_to(W, 64)
     parts = dict(records=T * splits * C * 8, counts=T * splits * 8,
                  witness_table=B * Wp * (D * key_bytes + 4 + 4) + T * Wp * 4,
-                 selection=T * cap * 8)
+                 selection=T * (cap + Wp) * 8)
     parts["total"] = sum(parts.values())
     return parts
 

@@ -142,8 +142,10 @@ def _generate(params, indexer_layers, prompt, *, cfg: LMConfig, icfg: IndexerCon
         paged = [paged_cache(ikc, page_size) for _, _, ikc, _ in caches]
         table = paged[0][1]
         caches = [(kc, vc, pg, last) for (kc, vc, _, last), (pg, _) in zip(caches, paged)]
-    if selection == "decode":   # witnesses: the last prompt query's selection, per layer
-        caches = [(kc, vc, ikc, dosa_jax.DecodeState(last)) for kc, vc, ikc, last in caches]
+    if selection == "decode":   # witnesses: the last prompt query's selection, per layer,
+        empty = dosa_jax.decode_init(B, config).ids   # in a state of the default width
+        caches = [(kc, vc, ikc, dosa_jax.DecodeState(empty.at[:, :last.shape[1]].set(last)))
+                  for kc, vc, ikc, last in caches]
     first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def step(carry, _):
