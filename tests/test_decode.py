@@ -66,9 +66,9 @@ def _dense_per_sequence(q, k, w, k_scale, lengths, cfg):
 
 
 def _run_steps(qs, k, w, k_scale, lengths0, cfg, *, page_table=None, k_paged=None,
-               s_paged=None):
-    """lax.scan of decode steps (one key more per step), and the dense answers, jitted.
-    ``w`` [B, M, H], or [steps, B, M, H] per step."""
+               s_paged=None, dense=True):
+    """lax.scan of decode steps (one key more per step), and the dense answers (None without
+    ``dense``), jitted. ``w`` [B, M, H], or [steps, B, M, H] per step."""
     B, M = qs.shape[1], qs.shape[2]
     ws = w if w.ndim == 4 else jnp.broadcast_to(w, (qs.shape[0],) + w.shape)
 
@@ -81,7 +81,7 @@ def _run_steps(qs, k, w, k_scale, lengths0, cfg, *, page_table=None, k_paged=Non
         else:
             res, state = dosa_jax.decode_topk(q, k_paged, w, state, k_scale=s_paged,
                                               lengths=lengths, page_table=page_table, config=cfg)
-        di, ds = _dense_per_sequence(q, k, w, k_scale, lengths, cfg)
+        di, ds = _dense_per_sequence(q, k, w, k_scale, lengths, cfg) if dense else (None, None)
         return state, (res.indices, res.scores, di, ds, res.stats)
 
     run = jax.jit(lambda qs: lax.scan(body, dec.decode_init(B, cfg, queries=M),
@@ -175,7 +175,8 @@ def test_paged_equals_contiguous_and_dense(backend):
     cfg = dosa_jax.Config(top_k=K, backend=backend, capacity=24)
     lengths0 = jnp.array([130, 37], jnp.int32)
     a = _run_steps(qs, k, w, s, lengths0, cfg)
-    b = _run_steps(qs, k, w, s, lengths0, cfg, page_table=pt, k_paged=kp, s_paged=sp)
+    b = _run_steps(qs, k, w, s, lengths0, cfg, page_table=pt, k_paged=kp, s_paged=sp,
+                   dense=False)
     for x, y in ((a[0], a[2]), (b[0], a[2]), (a[0], b[0])):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     for x, y in ((a[1], a[3]), (b[1], a[3])):
@@ -367,11 +368,18 @@ def test_kernel_matches_its_jnp_twin_on_exact_inputs():
     np.testing.assert_array_equal(np.asarray(ki), np.asarray(ri))
     np.testing.assert_array_equal(_bits(ks), _bits(rs))
     np.testing.assert_array_equal(_bits(kst.tau_witness), _bits(rst.tau_witness))
-    # the next witnesses: the same best keys of the candidates and witnesses (no overflow)
+    np.testing.assert_array_equal(np.asarray(kw)[..., :K], np.asarray(ki))   # selection first
+    # a second step from the carried witnesses (the same shapes): τ_w tight, no overflow, and
+    # the same next witnesses (the best of the candidates and the witnesses below τ_w)
+    ids2 = rw.reshape(B, -1)
+    ki, ks, kst, kw = kd.decode_topk(q, k, w, ids2, s, lengths, None, cfg, interpret=True,
+                                     splits=2)
+    ri, rs, rst, rw = kd.decode_topk_reference(q, k, w, ids2, s, lengths, None, cfg)
+    np.testing.assert_array_equal(np.asarray(ki), np.asarray(ri))
+    np.testing.assert_array_equal(_bits(ks), _bits(rs))
     fine = np.asarray(kst.overflow) == 0
-    assert fine.any()
+    assert fine.any() and np.isfinite(np.asarray(kst.tau_witness)).all()
     np.testing.assert_array_equal(np.asarray(kw)[fine], np.asarray(rw)[fine])
-    np.testing.assert_array_equal(np.asarray(kw)[..., :K], np.asarray(ki))
     # no witnesses, small tiles and two splits: every buffer is compacted during the scan and
     # the splits' records overflow the selection buffer (both exact fallbacks run)
     none = jnp.full((B, 40), -1, jnp.int32)
