@@ -344,18 +344,20 @@ def decode_topk(q, k, w, ids, k_scale, lengths, page_table, config, *, tiles: Ti
     rk, ri, cnt, app = scan_records(prep, theta, lengths, M, K, splits=splits,
                                     interpret=interpret)
     idx, sc, _, over, (bk, bi) = gather_records(rk, ri, cnt, K, candidate_capacity(config))
-    nxt = best_witnesses(*looked_at(bk, bi, wk, wids, theta), carry)
-    nxt = lax.cond(jnp.any(over), lambda x: jnp.where(
-        over[:, None], record_witnesses(rk, ri, cnt, K, carry), x), lambda x: x, nxt)
-    merged = jnp.any(app > rk.shape[2] - prep.BK, axis=1)   # a buffer compacted mid-scan
     r = lambda x: x.reshape(B, SLOTS, *x.shape[1:])[:, :M]
+    rm = lambda x: r(x).reshape((B * M,) + x.shape[1:])      # the M real slots only
+    nxt = best_witnesses(*looked_at(rm(bk), rm(bi), rm(wk), rm(wids), rm(theta)), carry)
+    nxt = lax.cond(jnp.any(over), lambda x: jnp.where(
+        rm(over)[:, None], record_witnesses(rm(rk), rm(ri), rm(cnt), K, carry), x),
+        lambda x: x, nxt).reshape(B, M, carry)
+    merged = jnp.any(app > rk.shape[2] - prep.BK, axis=1)   # a buffer compacted mid-scan
     stats = DecodeStats(visible=jnp.broadcast_to(lengths[:, None], (B, M)).astype(jnp.int32),
                         witnesses=jnp.broadcast_to(n_wit[:, None], (B, M)),
                         tau_witness=r(jnp.where(theta == THETA_NONE, -jnp.inf,
                                                 key_to_score(theta))),
                         candidates=r(jnp.sum(app, axis=1)),
                         overflow=r((over | merged).astype(jnp.int32)))
-    return r(idx), r(sc), stats, r(nxt)
+    return r(idx), r(sc), stats, nxt
 
 
 def decode_topk_reference(q, k, w, ids, k_scale, lengths, page_table, config):

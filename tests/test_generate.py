@@ -52,7 +52,7 @@ def test_decode_generation_equals_dense_generation(model, dense, page_size):
     assert (vis[:, 0, 0] == 13 + np.arange(steps)).all()
     cand = np.asarray(st.candidates)
     assert (cand[-10:] < vis[-10:]).mean() > 0.5                 # the witnesses prune
-    assert (np.asarray(st.witnesses) >= K).all()                 # previous selection: K ids
+    assert (np.asarray(st.witnesses) >= K).all()                 # at least K witnesses
 
 
 def test_selection_changes_the_tokens(model, dense):

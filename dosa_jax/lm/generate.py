@@ -5,7 +5,7 @@ The prompt is prefilled with ``dosa_jax.topk`` (each prompt query's exact Top-K 
 causal keys); every generated token then runs one decode step per layer: the token's
 attention and indexer keys are appended to the layer's caches, ``decode_topk`` selects the
 Top-K of the indexer's scores over the ``pos + 1`` keys cached so far, with the previous
-token's selection as witnesses (the last prompt query's selection for the first generated
+token's best keys as witnesses (the last prompt query's selection for the first generated
 token), and the attention reads those K keys. The whole loop is one ``jax.jit`` (a
 ``lax.scan`` over steps, static shapes, caches of ``prompt + steps`` positions). With
 ``page_size`` the indexer keys live in pages addressed by a page table (``decode_topk``'s
