@@ -62,7 +62,7 @@ WITNESS_FACTOR = 4
 
 __all__ = ["DecodeState", "DecodeStats", "MAX_QUERIES", "WITNESS_FACTOR", "best_witnesses",
            "candidate_capacity", "decode_init", "decode_topk", "decode_topk_reference",
-           "fit_witnesses", "looked_at", "select_with_witnesses", "witness_budget",
+           "distinct_pool", "fit_witnesses", "looked_at", "select_with_witnesses", "witness_budget",
            "witness_threshold"]
 
 
@@ -275,6 +275,19 @@ def looked_at(buffer_keys, buffer_ids, witness_keys, witness_ids, theta):
     wi = jnp.broadcast_to(witness_ids, (M, witness_ids.shape[-1]))
     return (jnp.concatenate([buffer_keys, wk], axis=1),
             jnp.concatenate([buffer_ids, wi.astype(jnp.int32)], axis=1))
+
+
+def distinct_pool(buffer_keys, buffer_ids, witness_keys, witness_ids):
+    """:func:`looked_at` when the buffer may miss candidates (a split's records compacted to
+    its Top-K): every witness joins, each id once (first occurrence; both occurrences of an
+    id carry the same bitwise score). [M, C + W] keys and ids."""
+    M = buffer_keys.shape[0]
+    ids = jnp.concatenate([buffer_ids, jnp.broadcast_to(
+        witness_ids, (M, witness_ids.shape[-1])).astype(jnp.int32)], axis=1)
+    keys = jnp.concatenate([buffer_keys, witness_keys], axis=1)
+    first = distinct_visible(ids, jnp.zeros((M,), jnp.int32),
+                             jnp.full((M,), jnp.iinfo(jnp.int32).max, jnp.int32))
+    return jnp.where(first, keys, INT32_MIN), ids
 
 
 def select_compacted(keys: Array, theta: Array, K: int, capacity: int):

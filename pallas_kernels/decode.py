@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from dosa_jax.decode import (DecodeStats, best_witnesses, candidate_capacity, looked_at,
+from dosa_jax.decode import (DecodeStats, best_witnesses, candidate_capacity, distinct_pool,
                              select_with_witnesses, sequence_keys, witness_budget)
 from dosa_jax.seeds import distinct_visible
 from dosa_jax.selection import INT32_MIN, key_to_score
@@ -222,13 +222,15 @@ def gather_records(rk, ri, cnt, K: int, capacity: int):
     return idx, sc, total, over, (keys, jnp.where(valid, ids, -1))
 
 
-def record_witnesses(rk, ri, cnt, K: int, n: int):
-    """The ``n`` best records of each query (:func:`dosa_jax.decode.best_witnesses`): the next
-    step's witnesses of a query whose records overflowed the selection buffer."""
+def record_witnesses(rk, ri, cnt, K: int, n: int, wk, wids):
+    """The ``n`` best of each query's records (all splits) and witnesses, each id once
+    (:func:`dosa_jax.decode.best_witnesses`): the next step's witnesses of a query whose
+    records overflowed the selection buffer."""
     T, S, _ = rk.shape
     valid = jnp.arange(K, dtype=jnp.int32)[None, None, :] < jnp.minimum(cnt, K)[:, :, None]
     keys = jnp.where(valid, rk[..., :K], INT32_MIN).reshape(T, S * K)
-    return best_witnesses(keys, ri[..., :K].reshape(T, S * K), n)
+    ids = jnp.where(valid, ri[..., :K], -1).reshape(T, S * K)
+    return best_witnesses(*distinct_pool(keys, ids, wk, wids), n)
 
 
 def workspace_bytes(B: int, K: int, W: int, D: int, *, capacity=None, splits: int,
@@ -334,7 +336,7 @@ def decode_topk(q, k, w, ids, k_scale, lengths, page_table, config, *, tiles: Ti
     Returns (indices [B, M, K], scores [B, M, K], DecodeStats [B, M], next witnesses
     [B, M, W / M]) as :func:`dosa_jax.decode.decode_topk_reference`, indices and scores
     bitwise equal to ``dense_topk`` on the pallas backend. The next witnesses are the best
-    of the selection buffer and the witnesses below τ_w (of all records on overflow).
+    of the selection buffer (of all records on overflow) and the witnesses, each id once.
     """
     B, M = q.shape[:2]
     K = config.top_k
@@ -346,9 +348,10 @@ def decode_topk(q, k, w, ids, k_scale, lengths, page_table, config, *, tiles: Ti
     idx, sc, _, over, (bk, bi) = gather_records(rk, ri, cnt, K, candidate_capacity(config))
     r = lambda x: x.reshape(B, SLOTS, *x.shape[1:])[:, :M]
     rm = lambda x: r(x).reshape((B * M,) + x.shape[1:])      # the M real slots only
-    nxt = best_witnesses(*looked_at(rm(bk), rm(bi), rm(wk), rm(wids), rm(theta)), carry)
+    wit = (rm(wk), rm(wids))     # split buffers end compacted to their Top-K: dedupe by id
+    nxt = best_witnesses(*distinct_pool(rm(bk), rm(bi), *wit), carry)
     nxt = lax.cond(jnp.any(over), lambda x: jnp.where(
-        rm(over)[:, None], record_witnesses(rm(rk), rm(ri), rm(cnt), K, carry), x),
+        rm(over)[:, None], record_witnesses(rm(rk), rm(ri), rm(cnt), K, carry, *wit), x),
         lambda x: x, nxt).reshape(B, M, carry)
     merged = jnp.any(app > rk.shape[2] - prep.BK, axis=1)   # a buffer compacted mid-scan
     stats = DecodeStats(visible=jnp.broadcast_to(lengths[:, None], (B, M)).astype(jnp.int32),
