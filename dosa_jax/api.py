@@ -39,7 +39,8 @@ class Implementation(NamedTuple):
     scorer_error(q, w, k_dtype, unit_roundoff) -> [T] relative error coefficient C of the
     backend's scorer (DESIGN §9, Eq. 26), for the cross-backend contract (``agreement``).
     decode_topk(q, k, w, ids, k_scale, lengths, page_table, config) -> (indices, scores,
-    DecodeStats), one decode step (:mod:`dosa_jax.decode`; None: the reference answers).
+    DecodeStats, next witnesses [B, M, W / M]), one decode step (:mod:`dosa_jax.decode`;
+    None: the reference answers).
     """
 
     topk: Callable

@@ -1,16 +1,25 @@
 """Decode: exact Top-K for every generated token with temporal witnesses (paper Sec. 3; DESIGN §11).
 
 With one (or a few) queries per sequence and step, screening has little reuse, so every
-visible key is scored in full. What changes is the selection: the distinct keys selected in
-the previous step, rescored for the current query, are *witnesses* (Eq. 2 with S = last
-step's selection). Their K-th largest current score τ_w is a certified lower bound on the
-K-th score τ* — K distinct visible keys already score ≥ τ_w — so only keys with
-``s ≥ τ_w`` (ties included) can be in the Top-K. Those are compacted into a bounded buffer
-and selected exactly; the selection becomes the next step's witnesses. When fewer than K
-distinct visible witnesses exist (first step, short sequence, stale ids), τ_w = −inf and
-every visible key is a candidate. When more candidates than the buffer holds clear τ_w
-(a topic change makes the witnesses useless), the step falls back to exact selection over
-all scores (``lax.cond``, no host sync). Either way the answer is ``dense_topk``'s, bitwise.
+visible key is scored in full. What changes is the selection: keys that scored high in the
+previous step, rescored for the current query, are *witnesses* (Eq. 2). Their K-th largest
+current score τ_w is a certified lower bound on the K-th score τ* — K distinct visible keys
+already score ≥ τ_w — so only keys with ``s ≥ τ_w`` (ties included) can be in the Top-K.
+Those are compacted into a bounded buffer and selected exactly.
+
+The witnesses carried to the next step are the best W' = W / M (``W`` = ``DecodeState``
+width, M queries; default W' = 4·K) of what the step looked at: its candidates and its
+witnesses, by the current score (every key, in score order, when the step fell back to the
+full selection). Exactly K witnesses would not do: τ_w would be the *lowest* current score of
+the previous selection, and the ~40 % of the previous winners that lose the current query
+(trained indexers, consecutive positions) score far below τ*, often below zero. With 4·K
+witnesses τ_w is the K-th of 4·K keys that all scored high recently.
+
+When fewer than K distinct visible witnesses exist (first step, short sequence, stale ids),
+τ_w = −inf and every visible key is a candidate. When more candidates than the buffer holds
+clear τ_w (a topic change makes the witnesses useless), the step falls back to exact
+selection over all scores (``lax.cond``, no host sync). Either way the answer is
+``dense_topk``'s, bitwise: the witnesses change the work, never the answer.
 
     state = dosa_jax.decode_init(batch, config)
     res, state = dosa_jax.decode_topk(q, k, w, state, k_scale=s, lengths=n, config=config)
@@ -48,17 +57,21 @@ Array = jax.Array
 MAX_QUERIES = 4
 #: Order key that accepts every eligible score (one above the NaN key).
 ACCEPT_ALL = int(INT32_MIN) + 1
+#: Witnesses carried per query and step, in units of K (``decode_init``'s default width).
+WITNESS_FACTOR = 4
 
-__all__ = ["DecodeState", "DecodeStats", "MAX_QUERIES", "candidate_capacity", "decode_init",
-           "decode_topk", "decode_topk_reference", "fit_witnesses", "select_with_witnesses",
+__all__ = ["DecodeState", "DecodeStats", "MAX_QUERIES", "WITNESS_FACTOR", "best_witnesses",
+           "candidate_capacity", "decode_init", "decode_topk", "decode_topk_reference",
+           "distinct_pool", "fit_witnesses", "looked_at", "select_with_witnesses", "witness_budget",
            "witness_threshold"]
 
 
 class DecodeState(NamedTuple):
     """What a decode step carries to the next (a pytree of one array).
 
-    ids: [B, W] int32 witness key ids per sequence: the previous step's selection
-    (all M queries' ids, −1 pads). Any ids are harmless: invisible, negative, repeated or
+    ids: [B, W] int32 witness key ids per sequence: the best W / M keys of each of the previous
+    step's M queries (its candidates and witnesses by score; the first K are its selection),
+    −1 pads. Any ids are harmless: invisible, negative, repeated or
     stale ids (a slot reused by another sequence) are ignored or only loosen τ_w.
     """
 
@@ -93,7 +106,9 @@ def decode_init(batch: int, config: Optional[Config] = None, *, queries: int = 1
                 witnesses: Optional[int] = None) -> DecodeState:
     """Empty witnesses for ``batch`` sequences: ``ids`` [batch, W] all −1.
 
-    W = ``witnesses`` or ``queries · top_k`` (each step stores all its queries' selections).
+    W = ``witnesses`` or ``queries · WITNESS_FACTOR · top_k`` (each step stores the best
+    W / queries keys of each query; W ≥ K per query keeps τ_w away from the lowest score
+    of the previous selection).
     """
     config = config or Config()
     if not isinstance(config, Config):
@@ -103,7 +118,7 @@ def decode_init(batch: int, config: Optional[Config] = None, *, queries: int = 1
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     if queries > MAX_QUERIES:
         raise ValueError(f"queries must be <= {MAX_QUERIES}, got {queries}")
-    W = queries * config.top_k if witnesses is None else witnesses
+    W = queries * WITNESS_FACTOR * config.top_k if witnesses is None else witnesses
     if isinstance(W, bool) or not isinstance(W, int) or W < 1:
         raise ValueError(f"witnesses must be an int >= 1, got {W!r}")
     return DecodeState(jnp.full((batch, W), -1, jnp.int32))
@@ -213,7 +228,7 @@ def _config(config) -> Config:
 
 # ------------------------------------------------------------------ the selection (pure jnp)
 
-def witness_threshold(keys: Array, witness_ids: Array, length, K: int) -> Array:
+def witness_threshold(keys: Array, witness_ids: Array, length, K: int):
     """τ_w as an order key per query: the K-th largest current key of the distinct visible
     witnesses (Eq. 2), ``ACCEPT_ALL`` with fewer than K of them.
 
@@ -223,16 +238,56 @@ def witness_threshold(keys: Array, witness_ids: Array, length, K: int) -> Array:
       witness_ids: [W] int32 ids (any values).
       length: scalar visible keys.
     Returns:
-      (θ [M] int32, distinct visible witnesses scalar int32).
+      (θ [M] int32, distinct visible witnesses scalar int32, the witnesses' current keys
+      [M, W]: ``INT32_MIN`` for repeated, invisible or NaN ones).
     """
     first = distinct_visible(witness_ids[None, :], jnp.zeros((1,), jnp.int32),
                              jnp.reshape(length, (1,)).astype(jnp.int32))[0]
     wk = jnp.take(keys, jnp.clip(witness_ids, 0, keys.shape[1] - 1), axis=1)
     wk = jnp.where(first[None, :], wk, INT32_MIN)
+    n_wit = jnp.sum(first, dtype=jnp.int32)
     if wk.shape[1] < K:
-        return jnp.full((keys.shape[0],), ACCEPT_ALL, jnp.int32), jnp.sum(first, dtype=jnp.int32)
+        return jnp.full((keys.shape[0],), ACCEPT_ALL, jnp.int32), n_wit, wk
     kth = lax.top_k(wk, K)[0][:, K - 1]
-    return jnp.where(kth == INT32_MIN, ACCEPT_ALL, kth), jnp.sum(first, dtype=jnp.int32)
+    return jnp.where(kth == INT32_MIN, ACCEPT_ALL, kth), n_wit, wk
+
+
+def witness_budget(W: int, M: int) -> int:
+    """Witnesses each of M queries carries to the next step out of a state of width W."""
+    return max(1, W // M)
+
+
+def best_witnesses(keys: Array, ids: Array, n: int) -> Array:
+    """Ids [M, n] of the ``n`` largest order keys of rows ``keys`` [M, P] (−1 where
+    ``INT32_MIN``, and beyond P): the witnesses carried to the next step."""
+    nn = min(n, keys.shape[1])
+    top_key, top_pos = lax.top_k(keys, nn)
+    out = jnp.where(top_key == INT32_MIN, -1, jnp.take_along_axis(ids, top_pos, axis=1))
+    return jnp.pad(out, ((0, 0), (0, n - nn)), constant_values=-1) if nn < n else out
+
+
+def looked_at(buffer_keys, buffer_ids, witness_keys, witness_ids, theta):
+    """The keys a step has current scores for, each once: its candidate buffer, then the
+    witnesses below θ (those ≥ θ are candidates, already in the buffer). [M, C + W] keys
+    and ids, for :func:`best_witnesses`."""
+    M = buffer_keys.shape[0]
+    wk = jnp.where(witness_keys < theta[:, None], witness_keys, INT32_MIN)
+    wi = jnp.broadcast_to(witness_ids, (M, witness_ids.shape[-1]))
+    return (jnp.concatenate([buffer_keys, wk], axis=1),
+            jnp.concatenate([buffer_ids, wi.astype(jnp.int32)], axis=1))
+
+
+def distinct_pool(buffer_keys, buffer_ids, witness_keys, witness_ids):
+    """:func:`looked_at` when the buffer may miss candidates (a split's records compacted to
+    its Top-K): every witness joins, each id once (first occurrence; both occurrences of an
+    id carry the same bitwise score). [M, C + W] keys and ids."""
+    M = buffer_keys.shape[0]
+    ids = jnp.concatenate([buffer_ids, jnp.broadcast_to(
+        witness_ids, (M, witness_ids.shape[-1])).astype(jnp.int32)], axis=1)
+    keys = jnp.concatenate([buffer_keys, witness_keys], axis=1)
+    first = distinct_visible(ids, jnp.zeros((M,), jnp.int32),
+                             jnp.full((M,), jnp.iinfo(jnp.int32).max, jnp.int32))
+    return jnp.where(first, keys, INT32_MIN), ids
 
 
 def select_compacted(keys: Array, theta: Array, K: int, capacity: int):
@@ -243,7 +298,8 @@ def select_compacted(keys: Array, theta: Array, K: int, capacity: int):
     ties). Rows with more candidates than ``capacity`` take the exact selection over all
     keys instead (computed only when some row needs it: ``lax.cond``).
 
-    Returns (indices [M, K], scores [M, K], candidates [M], overflow [M] bool).
+    Returns (indices [M, K], scores [M, K], candidates [M], overflow [M] bool,
+    (buffer keys, buffer ids) [M, capacity]).
     """
     M, n = keys.shape
     elig = keys != INT32_MIN
@@ -265,7 +321,7 @@ def select_compacted(keys: Array, theta: Array, K: int, capacity: int):
         return jnp.where(over[:, None], fi, c[0]), jnp.where(over[:, None], fs, c[1])
 
     idx, sc = lax.cond(jnp.any(over), fallback, lambda c: c, comp)
-    return idx, sc, count, over
+    return idx, sc, count, over, (ck, ci)
 
 
 def _select_keys(keys: Array, K: int):
@@ -281,32 +337,43 @@ def _select_keys(keys: Array, K: int):
     return idx, sc
 
 
-def select_with_witnesses(scores: Array, length, witness_ids: Array, K: int, capacity: int):
+def _all_ids(keys: Array) -> Array:
+    return jnp.broadcast_to(jnp.arange(keys.shape[1], dtype=jnp.int32)[None, :], keys.shape)
+
+
+def select_with_witnesses(scores: Array, length, witness_ids: Array, K: int, capacity: int,
+                          carry: int):
     """One sequence's decode selection from its scores [M, Npad] (keys ≥ ``length`` invisible).
 
-    Returns (indices [M, K], scores [M, K], DecodeStats of [M] arrays).
+    Returns (indices [M, K], scores [M, K], DecodeStats of [M] arrays, the next step's
+    witnesses [M, carry]: :func:`best_witnesses` of the candidates and the witnesses, or
+    of every key for rows that overflowed the buffer).
     """
     M, n = scores.shape
     vis = jnp.arange(n, dtype=jnp.int32)[None, :] < length
     keys = jnp.where(vis, order_key(scores), INT32_MIN)
-    theta, n_wit = witness_threshold(keys, witness_ids, length, K)
+    theta, n_wit, wk = witness_threshold(keys, witness_ids, length, K)
     if capacity >= n:   # the buffer holds every key: select directly (same answer)
         idx, sc = _select_keys(keys, K)
         count = jnp.sum((keys != INT32_MIN) & (keys >= theta[:, None]), axis=1, dtype=jnp.int32)
         over = jnp.zeros((M,), bool)
+        nxt = best_witnesses(keys, _all_ids(keys), carry)
     else:
-        idx, sc, count, over = select_compacted(keys, theta, K, capacity)
+        idx, sc, count, over, (ck, ci) = select_compacted(keys, theta, K, capacity)
+        nxt = best_witnesses(*looked_at(ck, ci, wk, witness_ids, theta), carry)
+        nxt = lax.cond(jnp.any(over), lambda x: jnp.where(
+            over[:, None], best_witnesses(keys, _all_ids(keys), carry), x), lambda x: x, nxt)
     stats = DecodeStats(visible=jnp.full((M,), length, jnp.int32),
                         witnesses=jnp.full((M,), n_wit, jnp.int32),
                         tau_witness=jnp.where(theta == ACCEPT_ALL, -jnp.inf, key_to_score(theta)),
                         candidates=count, overflow=over.astype(jnp.int32))
-    return idx, sc, stats
+    return idx, sc, stats, nxt
 
 
-def fit_witnesses(indices: Array, W: int) -> Array:
-    """The next state's ids [B, W] from this step's indices [B, M, K] (−1 padded or cut)."""
-    B = indices.shape[0]
-    flat = indices.reshape(B, -1).astype(jnp.int32)
+def fit_witnesses(ids: Array, W: int) -> Array:
+    """The next state's ids [B, W] from this step's witnesses [B, M, W'] (−1 padded or cut)."""
+    B = ids.shape[0]
+    flat = ids.reshape(B, -1).astype(jnp.int32)
     if flat.shape[1] >= W:
         return flat[:, :W]
     return jnp.pad(flat, ((0, 0), (0, W - flat.shape[1])), constant_values=-1)
@@ -328,14 +395,16 @@ def decode_topk_reference(q, k, w, ids, k_scale, lengths, page_table, config: Co
     Each sequence's queries are scored as one query tile by the canonical scorer
     (:func:`dosa_jax.scorer.full_scores_tile`, ``Config.key_block`` blocks: exactly the
     arithmetic of ``dense_topk``'s reference path on the sequence's keys), then
-    :func:`select_with_witnesses`. Returns (indices [B, M, K], scores, DecodeStats [B, M]).
+    :func:`select_with_witnesses`. Returns (indices [B, M, K], scores, DecodeStats [B, M],
+    next witnesses [B, M, W / M]).
     """
     K, cap = config.top_k, candidate_capacity(config)
+    carry = witness_budget(ids.shape[1], q.shape[1])
 
     def one(b):
         kb, sb = sequence_keys(k, k_scale, page_table, b)
         s = full_scores_tile(q[b], w[b], kb, sb, config.key_block)
-        return select_with_witnesses(s, lengths[b], ids[b], K, cap)
+        return select_with_witnesses(s, lengths[b], ids[b], K, cap, carry)
 
     return lax.map(one, jnp.arange(q.shape[0]))
 
@@ -378,7 +447,8 @@ def decode_topk(q, k, w, state: DecodeState, *, k_scale=None, lengths=None, page
     Returns:
       (TopKResult with indices [B, K] (or [B, M, K]) int32 sequence positions (score desc,
       id asc; −1 pads), scores float32 (−inf pads), stats :class:`DecodeStats`; the next
-      :class:`DecodeState`). Indices and scores equal, bitwise, ``dense_topk`` of each
+      :class:`DecodeState`: each query's best W / M keys of this step, selection first).
+      Indices and scores equal, bitwise, ``dense_topk`` of each
       sequence's queries over its first ``lengths[b]`` keys on the same backend.
     """
     config = _config(config)
@@ -387,9 +457,9 @@ def decode_topk(q, k, w, state: DecodeState, *, k_scale=None, lengths=None, page
     sg = lax.stop_gradient
     args = (sg(q), sg(k), sg(w), ids, None if k_scale is None else sg(k_scale), lengths,
             page_table, config)
-    idx, sc, stats = _call(config.backend, *args)
+    idx, sc, stats, nxt = _call(config.backend, *args)
     sc = _differentiable(q, k, w, k_scale, page_table, idx, sc)
-    new_state = DecodeState(fit_witnesses(idx, ids.shape[1]))
+    new_state = DecodeState(fit_witnesses(nxt, ids.shape[1]))
     if squeeze:
         idx, sc = idx[:, 0], sc[:, 0]
         stats = jax.tree_util.tree_map(lambda x: x[:, 0], stats)

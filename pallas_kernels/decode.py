@@ -40,7 +40,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from dosa_jax.decode import DecodeStats, candidate_capacity, select_with_witnesses, sequence_keys
+from dosa_jax.decode import (DecodeStats, best_witnesses, candidate_capacity, distinct_pool,
+                             select_with_witnesses, sequence_keys, witness_budget)
 from dosa_jax.seeds import distinct_visible
 from dosa_jax.selection import INT32_MIN, key_to_score
 from dosa_jax.tiling import round_up_to
@@ -194,7 +195,8 @@ def gather_records(rk, ri, cnt, K: int, capacity: int):
     the Top-K in tie order. Queries with more records than ``capacity`` are selected over
     all records (:func:`pallas_kernels.records.select_from_records`; ``lax.cond``).
 
-    Returns (indices [T, K], scores [T, K], records [T], overflow [T] bool).
+    Returns (indices [T, K], scores [T, K], records [T], overflow [T] bool,
+    (buffer keys, buffer ids) [T, capacity]).
     """
     T, S, C = rk.shape
     cnt = jnp.minimum(cnt, K)
@@ -217,7 +219,18 @@ def gather_records(rk, ri, cnt, K: int, capacity: int):
         return jnp.where(over[:, None], fi, c[0]), jnp.where(over[:, None], fs, c[1])
 
     idx, sc = lax.cond(jnp.any(over), fallback, lambda c: c, comp)
-    return idx, sc, total, over
+    return idx, sc, total, over, (keys, jnp.where(valid, ids, -1))
+
+
+def record_witnesses(rk, ri, cnt, K: int, n: int, wk, wids):
+    """The ``n`` best of each query's records (all splits) and witnesses, each id once
+    (:func:`dosa_jax.decode.best_witnesses`): the next step's witnesses of a query whose
+    records overflowed the selection buffer."""
+    T, S, _ = rk.shape
+    valid = jnp.arange(K, dtype=jnp.int32)[None, None, :] < jnp.minimum(cnt, K)[:, :, None]
+    keys = jnp.where(valid, rk[..., :K], INT32_MIN).reshape(T, S * K)
+    ids = jnp.where(valid, ri[..., :K], -1).reshape(T, S * K)
+    return best_witnesses(*distinct_pool(keys, ids, wk, wids), n)
 
 
 def workspace_bytes(B: int, K: int, W: int, D: int, *, capacity=None, splits: int,
@@ -225,7 +238,8 @@ def workspace_bytes(B: int, K: int, W: int, D: int, *, capacity=None, splits: in
     """Device bytes a decode step allocates besides the key cache (independent of N).
 
     records: order keys + ids of C slots per (query slot, split); counts; the witness table
-    (gathered keys, scales, entries, order keys); the selection buffer (keys + ids).
+    (gathered keys, scales, entries, order keys); the selection buffer and the witnesses below
+    τ_w (keys + ids: what the next witnesses are chosen from).
     """
     C = capacity_for(K, key_tile, 2 * K)
     T = B * SLOTS
@@ -233,7 +247,7 @@ def workspace_bytes(B: int, K: int, W: int, D: int, *, capacity=None, splits: in
     Wp = round_up_to(W, 64)
     parts = dict(records=T * splits * C * 8, counts=T * splits * 8,
                  witness_table=B * Wp * (D * key_bytes + 4 + 4) + T * Wp * 4,
-                 selection=T * cap * 8)
+                 selection=T * (cap + Wp) * 8)
     parts["total"] = sum(parts.values())
     return parts
 
@@ -294,7 +308,8 @@ def scan_records(prep: Prepared, theta, lengths, M: int, K: int, *, splits=None,
 
 def witness_threshold(prep: Prepared, ids, lengths, M: int, K: int, *, interpret=None):
     """τ_w of every query slot as an order key ([B·4]; ``THETA_NONE`` with fewer than K
-    distinct visible witnesses) and the distinct visible witness count [B]."""
+    distinct visible witnesses), the distinct visible witness count [B], and the witnesses'
+    order keys and ids [B·4, Wp] (``INT32_MIN`` / −1 for repeated, invisible, NaN, pads)."""
     if interpret is None:
         interpret = interpret_default()
     B = ids.shape[0]
@@ -309,33 +324,43 @@ def witness_threshold(prep: Prepared, ids, lengths, M: int, K: int, *, interpret
         theta = jnp.where(kth == INT32_MIN, THETA_NONE, kth)
     else:
         theta = jnp.full((B * SLOTS,), THETA_NONE, jnp.int32)
-    return theta, jnp.sum(first, axis=1, dtype=jnp.int32)
+    wids = pad_axis(jnp.where(first, ids, -1), 1, wk.shape[1], -1)
+    wids = jnp.repeat(wids, SLOTS, axis=0)
+    return theta, jnp.sum(first, axis=1, dtype=jnp.int32), wk, wids
 
 
 def decode_topk(q, k, w, ids, k_scale, lengths, page_table, config, *, tiles: Tiles = Tiles(),
                 key_tile: int = KEY_TILE, splits=None, interpret=None):
     """One decode step by the kernels (validated inputs: q [B, M, H, D], w [B, M, H]).
 
-    Returns (indices [B, M, K], scores [B, M, K], DecodeStats [B, M]) as
-    :func:`dosa_jax.decode.decode_topk_reference`, bitwise equal to ``dense_topk`` on the
-    pallas backend.
+    Returns (indices [B, M, K], scores [B, M, K], DecodeStats [B, M], next witnesses
+    [B, M, W / M]) as :func:`dosa_jax.decode.decode_topk_reference`, indices and scores
+    bitwise equal to ``dense_topk`` on the pallas backend. The next witnesses are the best
+    of the selection buffer (of all records on overflow) and the witnesses, each id once.
     """
     B, M = q.shape[:2]
     K = config.top_k
+    carry = witness_budget(ids.shape[1], M)
     prep = prepare(q, w, k, k_scale, page_table, tiles=tiles, key_tile=key_tile)
-    theta, n_wit = witness_threshold(prep, ids, lengths, M, K, interpret=interpret)
+    theta, n_wit, wk, wids = witness_threshold(prep, ids, lengths, M, K, interpret=interpret)
     rk, ri, cnt, app = scan_records(prep, theta, lengths, M, K, splits=splits,
                                     interpret=interpret)
-    idx, sc, _, over = gather_records(rk, ri, cnt, K, candidate_capacity(config))
-    merged = jnp.any(app > rk.shape[2] - prep.BK, axis=1)   # a buffer compacted mid-scan
+    idx, sc, _, over, (bk, bi) = gather_records(rk, ri, cnt, K, candidate_capacity(config))
     r = lambda x: x.reshape(B, SLOTS, *x.shape[1:])[:, :M]
+    rm = lambda x: r(x).reshape((B * M,) + x.shape[1:])      # the M real slots only
+    wit = (rm(wk), rm(wids))     # split buffers end compacted to their Top-K: dedupe by id
+    nxt = best_witnesses(*distinct_pool(rm(bk), rm(bi), *wit), carry)
+    nxt = lax.cond(jnp.any(over), lambda x: jnp.where(
+        rm(over)[:, None], record_witnesses(rm(rk), rm(ri), rm(cnt), K, carry, *wit), x),
+        lambda x: x, nxt).reshape(B, M, carry)
+    merged = jnp.any(app > rk.shape[2] - prep.BK, axis=1)   # a buffer compacted mid-scan
     stats = DecodeStats(visible=jnp.broadcast_to(lengths[:, None], (B, M)).astype(jnp.int32),
                         witnesses=jnp.broadcast_to(n_wit[:, None], (B, M)),
                         tau_witness=r(jnp.where(theta == THETA_NONE, -jnp.inf,
                                                 key_to_score(theta))),
                         candidates=r(jnp.sum(app, axis=1)),
                         overflow=r((over | merged).astype(jnp.int32)))
-    return r(idx), r(sc), stats
+    return r(idx), r(sc), stats, nxt
 
 
 def decode_topk_reference(q, k, w, ids, k_scale, lengths, page_table, config):
@@ -344,15 +369,17 @@ def decode_topk_reference(q, k, w, ids, k_scale, lengths, page_table, config):
     accumulation) on each sequence's keys, then the witness selection of
     :func:`dosa_jax.decode.select_with_witnesses`."""
     K, cap = config.top_k, candidate_capacity(config)
+    carry = witness_budget(ids.shape[1], q.shape[1])
 
     def one(b):
         kb, sb = sequence_keys(k, k_scale, page_table, b)
         s = score_reference(mma_pieces(q[b]), w[b], mma_pieces(kb), sb)
-        return select_with_witnesses(s, lengths[b], ids[b], K, cap)
+        return select_with_witnesses(s, lengths[b], ids[b], K, cap, carry)
 
     return lax.map(one, jnp.arange(q.shape[0]))
 
 
 __all__ = ["KEY_TILE", "Prepared", "SLOTS", "decode_scan", "decode_topk", "decode_topk_reference",
-           "default_splits", "gather_records", "key_layout", "prepare", "scan_records", "scan_tile",
+           "default_splits", "gather_records", "key_layout", "prepare", "record_witnesses",
+           "scan_records", "scan_tile",
            "witness_keys", "witness_threshold", "workspace_bytes"]

@@ -5,7 +5,7 @@ The prompt is prefilled with ``dosa_jax.topk`` (each prompt query's exact Top-K 
 causal keys); every generated token then runs one decode step per layer: the token's
 attention and indexer keys are appended to the layer's caches, ``decode_topk`` selects the
 Top-K of the indexer's scores over the ``pos + 1`` keys cached so far, with the previous
-token's selection as witnesses (the last prompt query's selection for the first generated
+token's best keys as witnesses (the last prompt query's selection for the first generated
 token), and the attention reads those K keys. The whole loop is one ``jax.jit`` (a
 ``lax.scan`` over steps, static shapes, caches of ``prompt + steps`` positions). With
 ``page_size`` the indexer keys live in pages addressed by a page table (``decode_topk``'s
@@ -142,8 +142,10 @@ def _generate(params, indexer_layers, prompt, *, cfg: LMConfig, icfg: IndexerCon
         paged = [paged_cache(ikc, page_size) for _, _, ikc, _ in caches]
         table = paged[0][1]
         caches = [(kc, vc, pg, last) for (kc, vc, _, last), (pg, _) in zip(caches, paged)]
-    if selection == "decode":   # witnesses: the last prompt query's selection, per layer
-        caches = [(kc, vc, ikc, dosa_jax.DecodeState(last)) for kc, vc, ikc, last in caches]
+    if selection == "decode":   # witnesses: the last prompt query's selection, per layer,
+        empty = dosa_jax.decode_init(B, config).ids   # in a state of the default width
+        caches = [(kc, vc, ikc, dosa_jax.DecodeState(empty.at[:, :last.shape[1]].set(last)))
+                  for kc, vc, ikc, last in caches]
     first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def step(carry, _):
