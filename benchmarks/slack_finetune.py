@@ -23,11 +23,17 @@ unchanged) and measured as reloaded from that file:
   code domain, the last T = 16K positions (``Plan.survival_queries`` < T: a strided
   subset of them);
 
+* the mean retained-head budget r of the same calls and their work
+  (``dosa_jax.slack.screening_work``: dot products per visible key relative to the
+  dense scan, Eq. 21 measured). With ``retained_heads="auto"`` the planner spends a
+  tighter certificate partly on a smaller r, so survival alone can rise while the
+  work falls (DESIGN §16): the work, not the survival, decides;
+
 then, for the chosen λ and λ = 0, DoSA (``Config(backend="auto")``, the dense
 switch on) and the dense path timed side by side on the same inputs (the last
 T = 16K positions at N = 1M), bitwise equality checked. The chosen λ: among λ > 0 whose Top-K coverage stays within
 ``--coverage-tolerance`` (0.5 points) of λ = 0 on every domain, length, layer and
-head count, the one with the lowest worst-layer survival; if none does, the λ > 0
+head count, the one with the lowest worst-layer work; if none does, the λ > 0
 whose worst coverage drop is least (and the table says so). Its weights go to
 ``$OUT/lm_weights_slack.npz`` (``dosa_jax.datasets.trained(weights="slack")`` reads
 that file from ``dosa_jax/data/``).
@@ -69,6 +75,7 @@ import dosa_jax
 from benchmarks.devtime import timeit
 from benchmarks.presets import bitwise_equal, jitted_paths, stats_summary
 from benchmarks.report import Table, log, run_meta
+from dosa_jax.slack import screening_work
 
 WEIGHTS_NAME = "lm_weights_slack.npz"
 
@@ -310,17 +317,17 @@ def choose(rows, lambdas, tolerance: float):
     for lam in lambdas:
         if lam == 0 or lam not in by or not base:
             continue
-        drops, survs = [], []
+        drops, works = [], []
         for r in by[lam]:
             b = base.get((r["heads"], r["layer"]))
             if b is None:
                 continue
             drops += [b[c] - r[c] for c in r if c.startswith("cov_") and c in b]
-            survs.append(r.get("survival", float("inf")))
+            works.append(r.get("work", r.get("survival", float("inf"))))
         if not drops:
             continue
         ok = max(drops) <= tolerance
-        key = (not ok, max(survs) if ok else max(drops))
+        key = (not ok, max(works) if ok else max(drops))
         if best is None or key < best[0]:
             best = (key, lam, ok)
     if best is None:
@@ -329,13 +336,15 @@ def choose(rows, lambdas, tolerance: float):
 
 
 def summarize(rows) -> dict:
-    """Per λ: the worst layer's survival, the largest coverage drop against λ = 0 (points),
+    """Per λ: the worst layer's survival and work, the largest coverage drop against λ = 0 (points),
     the least dense/DoSA ratio of the timed rows."""
     out = {}
     base = {(r["heads"], r["layer"]): r for r in rows if r["lambda"] == 0.0}
     for lam in sorted({r["lambda"] for r in rows}):
         rs = [r for r in rows if r["lambda"] == lam]
         out[f"λ={lam:g}: worst-layer survival"] = max(r["survival"] for r in rs)
+        if all("work" in r for r in rs):
+            out[f"λ={lam:g}: worst-layer work"] = max(r["work"] for r in rs)
         drops = [base[(r["heads"], r["layer"])][c] - r[c] for r in rs
                  if (r["heads"], r["layer"]) in base for c in r if c.startswith("cov_")]
         if lam != 0.0 and drops:
@@ -360,7 +369,8 @@ def run(plan: Plan, out: str, quick: bool) -> Table:
                 for N in plan.lengths]
     cols = ([("lambda", "λ"), ("heads", "H"), ("layer", "layer"), ("steps", "steps"),
              ("kl_heldout", "held-out KL")] + cov_cols
-            + [("survival", f"survival N={length_label(plan.N)}"), ("tau_over_tau_star", "τ/τ*"),
+            + [("survival", f"survival N={length_label(plan.N)}"), ("budget", "mean r"),
+               ("work", "work"), ("tau_over_tau_star", "τ/τ*"),
                ("dosa_ms", "DoSA ms"), ("dense_ms", "dense ms"), ("dense_over_dosa", "dense/DoSA"),
                ("dense_share", "queries answered densely"), ("bitwise", "DoSA == dense"),
                ("clock", "clock")])
@@ -380,6 +390,9 @@ def run(plan: Plan, out: str, quick: bool) -> Table:
                     + (f"the last {plan.T} positions" if stride == 1 else
                        f"{-(-plan.T // stride)} queries strided by {stride} over the last "
                        f"{plan.T} positions"),
+                    "mean r: retained-head budget of those calls; work: their dot products "
+                    "per visible key relative to the dense scan (dosa_jax.slack.screening_work, "
+                    "Eq. 21 with d_a = 1)",
                     f"timing: T={plan.T} (last positions), N={plan.N}, code, Config(top_k="
                     f"{plan.K}, seed_size={plan.seeds}, backend='auto'), median of "
                     f"{plan.repeats} calls after {plan.warmup} warm-up"])
@@ -441,11 +454,13 @@ def run(plan: Plan, out: str, quick: bool) -> Table:
                     inp = longc.inputs(wl, h, layer, plan.T)
                     cache[(lam, h, layer)] = inp        # the timing stage reuses it
                     _, _, st = f_screened(*args_of(strided(inp, stride)))
-                    row.update(stats_summary(st))
+                    row.update(stats_summary(st), budget=float(np.mean(np.asarray(st.budget))),
+                               work=screening_work(st, h))
                     del st
                     tab.add(row)
                     clock.log(f"λ={lam} H={h} layer {layer}: KL {row['kl_heldout']:.4f} survival "
-                              f"{row['survival']:.4f} " + " ".join(
+                              f"{row['survival']:.4f} r {row['budget']:.2f} work "
+                              f"{row['work']:.4f} " + " ".join(
                                   f"{c}={row[c]:.4f}" for c, _ in cov_cols))
         except Exception as e:  # noqa: BLE001 - keep the rows so far and the other λ
             tab.error(f"λ={lam}: {e!r}"[:500])

@@ -31,6 +31,10 @@ norms) are differentiated with respect to q, k, w and ``k_scale``.
 * :func:`slack_loss` — the smooth survival rate (the training loss).
 * :func:`regularizer` — ``optax.GradientTransformationExtraArgs`` adding
   ``weight · ∇ slack_loss`` to the updates.
+* :func:`screening_work` — the dot products a ``topk`` call spent (Eq. 21 measured), the
+  quantity a lower slack buys: with ``retained_heads="auto"`` the planner spends a
+  tighter certificate on a smaller budget r as well as on fewer survivors, so the
+  survival rate alone can rise while the work falls (DESIGN §16).
 
 Cost: every key is scored with all H heads (T·N·H·D multiply-adds, like the dense
 scorer); query tiles of ``config.query_tile`` run under ``lax.map`` with
@@ -473,3 +477,30 @@ def regularizer(indexer_fn: Callable, weight: Union[float, Callable]):
         return jax.tree_util.tree_map(add, updates, grads), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# ------------------------------------------------------------------------- the measured work
+
+def screening_work(stats, heads: int, aggregate_dots: int = 1) -> float:
+    """Dot products of a ``topk`` call per visible key, relative to the dense scan's H.
+
+        work = Σ_t [H·seeds_t + (r_t + d_a)·screened_t + H·survivors_t] / Σ_t H·|Ω_t|
+
+    from ``TopKResult.stats`` (NumPy or jax arrays): every seed and survivor is scored
+    with all H heads, every screened key costs the certificate's r_t retained-head dots
+    plus ``aggregate_dots`` = d_a for a_A·k (the cost model of Eq. 18–21 that the
+    ``"auto"`` budget minimises, measured instead of estimated; the planner uses d_a = 1,
+    2 with an FP8 aggregate row). 1.0 is the dense scan's work; queries answered densely
+    (``stats.dense``) count H per visible key. Lowering the slack lowers this at every
+    budget; the survival rate survivors / visible is only its last term.
+    """
+    import numpy as np
+    if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
+        raise ValueError(f"heads must be an int >= 1, got {heads!r}")
+    g = lambda name: np.asarray(getattr(stats, name), np.float64)
+    vis, seeds, screened, surv, r = (g(n) for n in ("visible", "seeds", "screened",
+                                                    "survivors", "budget"))
+    dense = g("dense") > 0 if getattr(stats, "dense", None) is not None else np.zeros_like(vis, bool)
+    per = np.where(dense, heads * vis,
+                   heads * seeds + (r + aggregate_dots) * screened + heads * surv)
+    return float(per.sum() / max(heads * vis.sum(), 1.0))

@@ -2,21 +2,24 @@
 
 λ = 0 must leave the distillation step unchanged bit for bit (the regulariser with weight
 0 is the identity), and λ > 0 must lower the slack loss the step was not trained on
-(a held-out batch) relative to λ = 0 on the same batches.
+(a held-out batch) relative to λ = 0 on the same batches, and with it what ``topk``
+measures: the survival at a fixed budget and the screening work at the planner's budget.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import pytest
 
+import dosa_jax
 from dosa_jax.lm import indexer as idx
 from dosa_jax.lm import train
 from dosa_jax.lm.model import init_lm
-from dosa_jax.slack import RegularizerState
+from dosa_jax.slack import RegularizerState, screening_work
 
 TC = dataclasses.replace(train.PRESETS["tiny"], indexers=train.PRESETS["tiny"].indexers[:1])
 STEPS = 12
@@ -55,16 +58,43 @@ def test_zero_weight_reproduces_the_distillation_step(setup):
     assert not any(isinstance(s, RegularizerState) for s in o_plain)
 
 
-def test_positive_weight_lowers_the_slack_loss(setup):
+@functools.lru_cache(maxsize=None)
+def _stats_fn(cfg):
+    return jax.jit(lambda a: dosa_jax.topk(**a, config=cfg).stats)
+
+
+def _measured(params, batch, tc, retained_heads):
+    """Summed over layers: topk's (survival, screening work) on the batch's queries."""
+    c = tc.indexers[0]
+    call = _stats_fn(train.slack_config(tc).replace(backend="reference",
+                                                    retained_heads=retained_heads))
+    surv = work = 0.0
+    for li in range(tc.lm.n_layers):
+        kw = train.slack_inputs(params[str(c.n_heads)][li], batch["x"][li], batch["positions"],
+                                c, tc)
+        st = jax.device_get(call({n: kw[n] for n in ("q", "k", "w", "lo", "hi")}))
+        surv += st.survivors.sum() / st.visible.sum()
+        work += screening_work(st, c.n_heads)
+    return surv, work
+
+
+def test_positive_weight_lowers_the_slack_loss_and_the_measured_work(setup):
     lm, _, streams = setup
     tokens = train.sample_batch(1234, 0, streams, TC.idx_batch, TC.seq_len)
-    batch = train.slack_batch(train.frozen_layers(lm, tokens, TC), 99, 0, TC)
+    held = dataclasses.replace(TC, slack_queries=64)     # held-out crop, more queries
+    batch = train.slack_batch(train.frozen_layers(lm, tokens, TC), 99, 0, held)
     plain, _ = _run(setup, TC)
     reg, _ = _run(setup, dataclasses.replace(TC, slack_weight=100.0))  # the --slack path
-    s_plain = float(train.slack_objective(plain, batch, TC)[0])
-    s_reg = float(train.slack_objective(reg, batch, TC)[0])
+    s_plain = float(train.slack_objective(plain, batch, held)[0])
+    s_reg = float(train.slack_objective(reg, batch, held)[0])
     assert s_reg < 0.97 * s_plain, (s_reg, s_plain)
     assert not _equal(plain, reg)
+    # what the loss is for, measured by topk: fewer survivors at a fixed budget, and less
+    # work with the planner's own budget (which may spend the slack on a smaller r)
+    fixed = [_measured(p, batch, held, 1)[0] for p in (plain, reg)]
+    assert fixed[1] < 0.97 * fixed[0], fixed
+    work = [_measured(p, batch, held, "auto")[1] for p in (plain, reg)]
+    assert work[1] < 0.99 * work[0], work
 
 
 def test_slack_batch_samples_distillation_queries(setup):
