@@ -6,7 +6,10 @@ Two measurements, one command (``$OUT`` gets ``context_parallel.md`` / ``.json``
    ``sharded_topk`` on a 1-device mesh against plain ``topk``, both on ``--backend``
    (default ``pallas``: the kernels answer the context-parallel local pass too), same
    config; the results must be bitwise equal. Two compilations and 2·(1 + repeats)
-   calls of a kernel call (well under a minute each on an H200).
+   calls of a kernel call (well under a minute each on an H200). A CPU check of the stage:
+   ``--length 512 --queries 16 --heads 4 --dim 16 --K 16 --repeats 1 --skip pruning
+   --key-dtype float32`` (interpret mode; its kernels cannot take the key scales of FP8
+   keys inside ``shard_map``).
 2. **pruning** (a CPU mesh of ``--devices`` host devices, in a child process, on the
    trained indexer's inputs at ``--pruning-length`` keys): per device, the survivors of
    screening with the shared τ (global seeds, one all-reduce) against a τ from the
@@ -43,7 +46,7 @@ def overhead(a) -> dict:
     from dosa_jax import synthetic
 
     x = synthetic.structured(T=a.queries, N=a.length, H=a.heads, D=a.dim, seed=0,
-                             key_dtype="float8_e4m3fn", query_dtype="bfloat16")
+                             key_dtype=a.key_dtype, query_dtype="bfloat16")
     cfg = dosa_jax.Config(top_k=a.K, backend=a.backend)
     mesh = Mesh(np.array(jax.devices()[:1]), ("cp",))
     plain = jax.jit(lambda q, k, w, s, lo, hi: dosa_jax.topk(q, k, w, k_scale=s, lo=lo, hi=hi,
@@ -177,6 +180,8 @@ def main(argv=None):
     p.add_argument("--queries", type=int, default=16384)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--key-dtype", default="float8_e4m3fn",
+                   help="keys of the overhead calls (FP8 with per-key scales by default)")
     p.add_argument("--backend", default="pallas", choices=("pallas", "auto", "reference"),
                    help="backend of both overhead calls")
     p.add_argument("--K", type=int, default=2048)
