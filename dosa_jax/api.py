@@ -159,7 +159,8 @@ def topk(q, k, w, top_k=None, k_scale=None, lo=None, hi=None, config: Optional[C
     """
     config = _config_with_top_k(config, top_k)
     if config.context_axis is not None:   # keys sharded along a mesh axis, lo/hi global
-        return context_parallel.topk(q, k, w, k_scale, lo, hi, config, hint)
+        return context_parallel.topk(q, k, w, k_scale, lo, hi, config, hint,
+                                     dispatch=_dispatch)
     q, k, w, k_scale, lo, hi = check_inputs(q, k, w, k_scale, lo, hi)
     config.budgets(q.shape[1])   # explicit budgets must fit H (raises, naming the field)
     hint = check_hint(hint, q.shape[0])
@@ -179,7 +180,8 @@ def dense_topk(q, k, w, top_k=None, k_scale=None, lo=None, hi=None,
     """
     config = _config_with_top_k(config, top_k)
     if config.context_axis is not None:   # keys sharded along a mesh axis, lo/hi global
-        return context_parallel.dense_topk(q, k, w, k_scale, lo, hi, config)
+        return context_parallel.dense_topk(q, k, w, k_scale, lo, hi, config,
+                                           dispatch=_dispatch)
     q, k, w, k_scale, lo, hi = check_inputs(q, k, w, k_scale, lo, hi)
     idx, sc = _dispatch(config.backend, "dense_topk", *_constants(q, k, w, k_scale), lo, hi,
                         config)
@@ -195,7 +197,7 @@ def sharded_topk(q, k, w, *, mesh, axis: str = "cp", query_axis: Optional[str] =
     unsharded :func:`topk` (``dense=True``: :func:`dense_topk`) on the same global arrays."""
     return context_parallel.sharded_topk(
         q, k, w, mesh=mesh, axis=axis, query_axis=query_axis, k_scale=k_scale, lo=lo, hi=hi,
-        config=_config_with_top_k(config, top_k), hint=hint, dense=dense)
+        config=_config_with_top_k(config, top_k), hint=hint, dense=dense, dispatch=_dispatch)
 
 
 def score(q, k, w, k_scale=None, lo=None, hi=None, config: Optional[Config] = None):

@@ -16,11 +16,13 @@ Three phases, one idea each:
    all-reduce (max of int32 order keys, ``S_pad`` per query, −∞ for seeds held
    elsewhere) gives every device every seed's score, and τ is their K-th (Eq. 2): the
    unsharded seed threshold, ≤ τ* since it has K witnesses whichever device holds them.
-2. **local pass** — the reference pipeline on the local slice with local ranges
-   ``clip([lo, hi) − d·n, 0, n)``, its threshold starting at max(τ, its own local
-   seeds' τ) (``dosa_topk_reference(..., tau_floor=τ)``). Every key of the global
-   Top-K scores ≥ τ* ≥ τ, survives screening and refinement, and has fewer than K
-   local keys ranked above it, so it is among the device's K records.
+2. **local pass** — the backend's pipeline (reference or Pallas kernels, through the
+   api's dispatch table) on the local slice with local ranges ``clip([lo, hi) − d·n, 0,
+   n)``, its threshold starting at max(τ, its own local seeds' τ) (``tau_floor=τ``);
+   its answer is the exact Top-K of the local keys scoring ≥ τ (fewer than K, padded,
+   on a device whose keys mostly score below τ). Every key of the global Top-K scores
+   ≥ τ* ≥ τ, survives screening and refinement, and has fewer than K local keys ranked
+   above it, so it is among the device's K records.
 3. **exact merge** — the union of the P lists holds every global Top-K key with its
    exact score, so one exact selection (``select_records``: score desc, id asc) over
    it is the global Top-K. ``gather``: one all-gather of K records per device;
@@ -49,8 +51,14 @@ unsharded call's, ``dosa_jax.autodiff``): each device differentiates the ids it 
 and an all-reduce sums the tangents, so gradients reach the local key slice. Use
 ``shard_map``'s default ``check_vma=True`` when differentiating.
 
-Backends: the reference pipeline answers; ``backend="pallas"`` raises
-``NotImplementedError`` under ``context_axis`` (``"auto"`` falls back to the reference).
+Backends: the local pass (and the local dense scan of :func:`dense_topk`) is the one
+backend-specific step; it runs through ``dispatch``, the api's dispatcher
+(``dosa_jax.api._dispatch``: ``"pallas"`` / ``"auto"`` on a GPU run the kernels, traced
+inside the ``shard_map`` with the varying-axes checks off, :mod:`dosa_jax.manual_axes`).
+The public entries (``dosa_jax.topk`` with ``context_axis``, ``dosa_jax.sharded_topk``)
+pass it; called here without one, the entries answer with the reference pipeline
+(:func:`reference_dispatch`). Both backends' local passes return the same records
+(the exact Top-K of the local keys scoring ≥ τ), so the merged answer is the same.
 """
 
 from __future__ import annotations
@@ -77,8 +85,8 @@ from dosa_jax.scorer import score_ids_blocked
 from dosa_jax.selection import INT32_MIN, key_to_score, order_key, select_records
 from dosa_jax.tiling import map_query_tiles, round_up_to
 
-__all__ = ["collective_bytes", "collective_bytes_per_query", "dense_topk", "local_pass",
-           "per_device_stats",
+__all__ = ["at_or_above", "collective_bytes", "collective_bytes_per_query", "dense_topk",
+           "local_pass", "per_device_stats", "reference_dispatch",
            "shared_seed_threshold", "sharded_topk", "topk"]
 
 #: Statistics summed over devices, and combined by maximum (``pruning`` as its negation).
@@ -137,17 +145,27 @@ def _check_global_ranges(lo, hi, T: int, N: int):
     return lo, jnp.maximum(hi, lo)
 
 
-def _reference_only(config: Config, op: str):
-    """The local pass runs the reference pipeline; pallas cannot answer under context_axis."""
-    reasons = []
-    for name in candidates(config.backend):
-        if name == "reference":
-            return
-        reasons.append(f"{name}: the Pallas kernels do not run under Config.context_axis "
-                       "(their outputs carry no varying-manual-axes type); use "
-                       "backend='reference' or 'auto'")
-    raise NotImplementedError(f"no implementation of context-parallel {op} for "
-                              f"backend={config.backend!r}: " + "; ".join(reasons))
+_REFERENCE = {"topk": dosa_topk_reference, "dense_topk": dense_topk_reference}
+
+
+def reference_dispatch(backend: str, op: str, *args, **kwargs):
+    """``dispatch`` without the api: the reference pipeline's ``op`` ("topk" or
+    "dense_topk"), for a backend that may answer with it. ``dosa_jax.topk`` and
+    ``dosa_jax.sharded_topk`` pass the api's dispatcher, which also reaches the kernels."""
+    if "reference" not in candidates(backend):
+        raise NotImplementedError(
+            f"context-parallel {op} for backend={backend!r}: the kernels are reached through "
+            "the api's dispatch table; call dosa_jax.topk / dosa_jax.sharded_topk (or pass "
+            "dispatch=dosa_jax.api._dispatch)")
+    return _REFERENCE[op](*args, **kwargs)
+
+
+def at_or_above(idx, sc, tau):
+    """(idx, sc) [T, K] with the records scoring below τ [T] made pads (−1, −inf): the exact
+    Top-K of the keys scoring ≥ τ, from a Top-K of a set holding all of them (the records are
+    in contract order, so the pads stay last)."""
+    keep = ~(sc < tau[:, None])
+    return jnp.where(keep, idx, -1), jnp.where(keep, sc, -jnp.inf)
 
 
 # ---- phase 1: the shared threshold --------------------------------------------------------
@@ -178,13 +196,15 @@ def shared_seed_threshold(q, w, k, k_scale, lo, hi, offset, config: Config, axis
 # ---- phase 2: the local pass --------------------------------------------------------------
 
 def local_pass(q, k, w, k_scale, lo, hi, config: Config, *, hint=None,
-               share_threshold: bool = True):
+               share_threshold: bool = True, dispatch=None):
     """This device's exact candidates on validated inputs (k the local slice, lo/hi global).
 
     Returns (global ids [T, K], scores [T, K], per-device Stats, τ [T], offset): the exact
-    Top-K of this device's seeds and keys scoring ≥ τ. ``share_threshold=False`` starts
-    from the local seeds' τ alone (τ then −inf; for measuring what sharing buys). On a
-    1-device axis the local seeds are the global seeds: no collective, τ is the pipeline's.
+    Top-K of this device's keys scoring ≥ τ (−1/−inf pads after them), the same records on
+    every backend. ``share_threshold=False`` starts from the local seeds' τ alone (τ then
+    −inf: the local Top-K; for measuring what sharing buys). On a 1-device axis the local
+    seeds are the global seeds: no collective, τ is the pipeline's. ``dispatch``: the api's
+    dispatcher (``backend``, ``op``, arguments), :func:`reference_dispatch` when None.
     """
     axis = config.context_axis
     n_local = k.shape[0]
@@ -199,8 +219,11 @@ def local_pass(q, k, w, k_scale, lo, hi, config: Config, *, hint=None,
     q, k, w, k_scale, lo_l, hi_l, tau = same_varying_axes(q, k, w, k_scale, lo_l, hi_l, tau)
     if hint_l is not None:
         hint_l = same_varying_axes(hint_l, q)[0]
-    idx, sc, stats = dosa_topk_reference(q, k, w, k_scale, lo_l, hi_l, local_cfg, hint=hint_l,
-                                         tau_floor=tau if share else None)
+    idx, sc, stats = (dispatch or reference_dispatch)(
+        config.backend, "topk", q, k, w, k_scale, lo_l, hi_l, local_cfg, hint=hint_l,
+        tau_floor=tau if share else None)
+    if share:   # the reference keeps its seeds below the floor: the same records on every backend
+        idx, sc = at_or_above(idx, sc, tau)
     if share_threshold and not share:
         tau = stats.tau_seed
     return to_global_ids(idx, offset), sc, stats, tau, offset
@@ -329,17 +352,18 @@ def _validate(q, k, w, k_scale, lo, hi, config: Config):
     return q, k, w, k_scale, lo, hi, P
 
 
-def topk(q, k, w, k_scale, lo, hi, config: Config, hint=None) -> TopKResult:
+def topk(q, k, w, k_scale, lo, hi, config: Config, hint=None, *, dispatch=None) -> TopKResult:
     """Context-parallel DoSA Top-K inside ``shard_map`` over ``config.context_axis``
-    (``dosa_jax.topk`` routes here): ``k`` [n, D] this device's slice, ``lo``/``hi``
-    global. Returns the global Top-K (global ids), the same on every device of the axis."""
-    _reference_only(config, "topk")
+    (``dosa_jax.topk`` routes here, passing its ``dispatch``): ``k`` [n, D] this device's
+    slice, ``lo``/``hi`` global. Returns the global Top-K (global ids), the same on every
+    device of the axis."""
     q, k, w, k_scale, lo, hi, P = _validate(q, k, w, k_scale, lo, hi, config)
     config.budgets(q.shape[1])
     hint = check_hint(hint, q.shape[0])
     axis = config.context_axis
     cq, ck, cw, cs = (None if x is None else lax.stop_gradient(x) for x in (q, k, w, k_scale))
-    idx, sc, stats, tau, offset = local_pass(cq, ck, cw, cs, lo, hi, config, hint=hint)
+    idx, sc, stats, tau, offset = local_pass(cq, ck, cw, cs, lo, hi, config, hint=hint,
+                                             dispatch=dispatch)
     idx, sc = merge_candidates(idx, sc, config, P)
     sums, maxes = combine_stats(stats, tau, axis)
     idx, sc, maxes = replicated(idx, sc, axis, maxes)
@@ -349,10 +373,9 @@ def topk(q, k, w, k_scale, lo, hi, config: Config, hint=None) -> TopKResult:
     return TopKResult(idx, sc, stats)
 
 
-def dense_topk(q, k, w, k_scale, lo, hi, config: Config) -> TopKResult:
+def dense_topk(q, k, w, k_scale, lo, hi, config: Config, *, dispatch=None) -> TopKResult:
     """Context-parallel dense Top-K (every visible local key scored, exact merge); same
     arguments as :func:`topk`. ``stats`` holds ``visible`` (global)."""
-    _reference_only(config, "dense_topk")
     q, k, w, k_scale, lo, hi, P = _validate(q, k, w, k_scale, lo, hi, config)
     axis = config.context_axis
     n_local = k.shape[0]
@@ -360,7 +383,8 @@ def dense_topk(q, k, w, k_scale, lo, hi, config: Config) -> TopKResult:
     lo_l, hi_l = local_ranges(lo, hi, offset, n_local)
     cq, ck, cw, cs, lo_l, hi_l = same_varying_axes(
         *(None if x is None else lax.stop_gradient(x) for x in (q, k, w, k_scale)), lo_l, hi_l)
-    idx, sc = dense_topk_reference(cq, ck, cw, cs, lo_l, hi_l, config.replace(context_axis=None))
+    idx, sc = (dispatch or reference_dispatch)(config.backend, "dense_topk", cq, ck, cw, cs,
+                                               lo_l, hi_l, config.replace(context_axis=None))
     idx, sc = merge_candidates(to_global_ids(idx, offset), sc, config, P)
     idx, sc, _ = replicated(idx, sc, axis)
     idx, sc = _differentiable(q, k, w, k_scale, idx, sc, offset, axis)
@@ -378,7 +402,7 @@ def _shard_map():
 
 def sharded_topk(q, k, w, *, mesh, axis: str = "cp", query_axis: Optional[str] = None,
                  k_scale=None, lo=None, hi=None, config: Optional[Config] = None,
-                 hint=None, dense: bool = False) -> TopKResult:
+                 hint=None, dense: bool = False, dispatch=None) -> TopKResult:
     """Exact Top-K with the keys sharded along mesh axis ``axis`` (the ``shard_map`` done).
 
     Args:
@@ -391,6 +415,8 @@ def sharded_topk(q, k, w, *, mesh, axis: str = "cp", query_axis: Optional[str] =
       config: :class:`Config` (static, with ``top_k``; ``dosa_jax.sharded_topk`` also takes
         ``top_k=``); its ``context_axis`` is set to ``axis``.
       dense: answer with ``dense_topk`` (full scoring) instead of DoSA.
+      dispatch: the api's dispatcher for the local pass (``dosa_jax.sharded_topk`` passes
+        it; None: :func:`reference_dispatch`).
     Returns:
       TopKResult equal bitwise to the unsharded ``topk`` (``dense_topk``) of the same keys.
       N need not divide the axis size: keys are padded to a multiple of it with invisible
@@ -430,8 +456,8 @@ def sharded_topk(q, k, w, *, mesh, axis: str = "cp", query_axis: Optional[str] =
         sc = rest.pop(0) if has_scale else None
         hn = rest.pop(0) if has_hint else None
         if dense:
-            return tuple(dense_topk(q, k, w, sc, lo, hi, config))
-        return tuple(topk(q, k, w, sc, lo, hi, config, hn))
+            return tuple(dense_topk(q, k, w, sc, lo, hi, config, dispatch=dispatch))
+        return tuple(topk(q, k, w, sc, lo, hi, config, hn, dispatch=dispatch))
 
     out = _shard_map()(body, mesh=mesh, in_specs=tuple(specs), out_specs=qs)(*args)
     res = TopKResult(*out)
@@ -441,7 +467,7 @@ def sharded_topk(q, k, w, *, mesh, axis: str = "cp", query_axis: Optional[str] =
 
 
 def per_device_stats(q, k, w, *, mesh, axis: str = "cp", k_scale=None, lo=None, hi=None,
-                     config: Config, share_threshold: bool = True) -> Stats:
+                     config: Config, share_threshold: bool = True, dispatch=None) -> Stats:
     """Each device's own local-pass Stats ([P, T] arrays, row d = device d) for keys sharded
     along ``axis`` (N a multiple of its size): what the shared τ (or, with
     ``share_threshold=False``, the local seeds alone) leaves each device to score."""
@@ -455,7 +481,7 @@ def per_device_stats(q, k, w, *, mesh, axis: str = "cp", k_scale=None, lo=None, 
 
     def body(q, k, w, lo, hi, *s):
         st = local_pass(q, k, w, s[0] if s else None, lo, hi, config,
-                        share_threshold=share_threshold)[2]
+                        share_threshold=share_threshold, dispatch=dispatch)[2]
         return jax.tree_util.tree_map(lambda x: x[None], st)
 
     specs = (PartitionSpec(), ks, PartitionSpec(), PartitionSpec(), PartitionSpec()) + (

@@ -44,7 +44,7 @@ from dosa_jax.keys import key_summary, scale_fault
 from dosa_jax.planner import build_plan
 from dosa_jax.results import Stats
 from dosa_jax.sample import plan_sample, strided_sample_ids
-from dosa_jax.selection import INT32_MIN, key_to_score
+from dosa_jax.selection import INT32_MIN, key_to_score, order_key
 from dosa_jax.tiling import round_up_to
 from pallas_kernels import dense as dense_mod
 from pallas_kernels import numerics as knum
@@ -212,6 +212,27 @@ def _score_key(theta):
     return jnp.where(theta > THETA_NONE, key_to_score(theta), -jnp.inf)
 
 
+def floor_key(tau_floor):
+    """[T] order keys of a τ floor (float32 scores): THETA_NONE where the floor is −inf or
+    NaN (no floor), else the score's order key (``dosa_jax.selection.order_key``)."""
+    f = jnp.asarray(tau_floor, jnp.float32)
+    return jnp.where(f > -jnp.inf, order_key(f), THETA_NONE).astype(jnp.int32)
+
+
+def floored_tau_key(tau_key, have_tau, tau_floor):
+    """(τ keys, have τ) with the seed threshold raised to the floor: max(τ, floor) where the
+    seeds give a τ, the floor alone where they do not (``tau_floor`` None: unchanged).
+
+    The floor is a lower bound on τ* certified elsewhere (keys on other devices,
+    :mod:`dosa_jax.context_parallel`): the answer is then the exact Top-K of the keys
+    scoring ≥ floor, which holds every key of the larger key set's Top-K found here."""
+    if tau_floor is None:
+        return tau_key, have_tau
+    fk = floor_key(tau_floor)
+    return (jnp.maximum(jnp.where(have_tau, tau_key, THETA_NONE), fk),
+            have_tau | (fk > THETA_NONE))
+
+
 #: Queries per chunk of the planner's sample dots (one XLA dot per chunk; a ``lax.map`` over
 #: chunks when there are several).
 PLAN_SAMPLE_CHUNK = 2048
@@ -270,7 +291,7 @@ def screen_friendly_budget(r: int, A: int, H: int) -> int:
 
 def dosa_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), splits=None,
               interpret=None, return_details: bool = False, wave=None, stop_after=None,
-              hint=None):
+              hint=None, tau_floor=None):
     """Exact DoSA Top-K on the Pallas kernels (validated inputs, as ``dosa_jax.topk``).
 
     The queries run in waves of ``wave`` (default :func:`wave_size`): the
@@ -281,6 +302,13 @@ def dosa_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), split
     ``config.anchor_stride`` the anchor queries are answered densely first (all of
     them in one scan, before the waves) and their Top-K ids join the witnesses
     (:func:`anchor_topk`, :func:`pallas_kernels.seeds.group_witnesses`).
+
+    ``tau_floor`` [T] float32 (optional): a lower bound on each query's τ* from elsewhere
+    (keys on other devices): every threshold — the screen's τ, the refinement's and the
+    dense scans' θ₀ — starts at max(seed τ, floor) (:func:`floored_tau_key`; a −inf or NaN
+    floor is no floor). The answer is then the exact Top-K of the keys scoring ≥ floor
+    (fewer than K, padded with −1 / −inf, when fewer keys reach it), as the reference
+    pipeline's once its seeds below the floor are left out.
 
     ``stop_after`` (``"seeds"``, ``"screen"`` or ``"refine"``) returns the
     intermediate arrays of that stage instead of the answer: the benchmark times
@@ -301,20 +329,21 @@ def dosa_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), split
     if Tw % 4:
         raise ValueError(f"wave must be a multiple of 4, got {wave}")
     wit, keyside, lo, hi = _call_setup(q, k, w, k_scale, lo, hi, config, tiles, interpret, hint)
+    floor = None if tau_floor is None else jnp.asarray(tau_floor, jnp.float32).reshape(T)
     wave_kw = dict(tiles=tiles, splits=splits, interpret=interpret, keyside=keyside)
     if return_details or stop_after is not None:
         if Tw < T:
             if return_details:
                 raise ValueError("return_details needs a single wave (wave >= T)")
             return _in_waves(lambda *a, **kw: _dosa_wave(*a, stop_after=stop_after, **kw, **wave_kw),
-                             q, k, w, k_scale, lo, hi, config, Tw, wit)
+                             q, k, w, k_scale, lo, hi, config, Tw, wit, floor)
         return _dosa_wave(q, k, w, k_scale, lo, hi, config, return_details=return_details,
-                          stop_after=stop_after, witnesses=wit, **wave_kw)
+                          stop_after=stop_after, witnesses=wit, tau_floor=floor, **wave_kw)
 
     def screened(_):
         idx, sc, stats, direct, theta = _in_waves(
             lambda *a, **kw: _dosa_wave(*a, defer_direct=True, **kw, **wave_kw),
-            q, k, w, k_scale, lo, hi, config, Tw, wit)
+            q, k, w, k_scale, lo, hi, config, Tw, wit, floor)
         return _dense_pass(idx, sc, stats, direct, theta, q, w, k, k_scale, lo, hi, K=config.top_k,
                            tiles=tiles, interpret=interpret, keyside=keyside)
 
@@ -322,11 +351,12 @@ def dosa_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), split
     if switch == float("inf"):
         return screened(None)
     ratio = predicted_cost_ratio(
-        predicted_call_terms(q, k, w, k_scale, lo, hi, config, witnesses=wit, **wave_kw))
+        predicted_call_terms(q, k, w, k_scale, lo, hi, config, witnesses=wit, tau_floor=floor,
+                             **wave_kw))
 
     def dense(_):
         return _dense_call(q, w, k, k_scale, lo, hi, config, tiles=tiles, interpret=interpret,
-                           keyside=keyside, witnesses=wit)
+                           keyside=keyside, witnesses=wit, tau_floor=floor)
 
     idx, sc, stats = lax.cond(ratio > switch, dense, screened, None)
     return idx, sc, stats._replace(predicted_cost=jnp.full((T,), ratio, jnp.float32))
@@ -352,12 +382,13 @@ def call_cost_terms(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(),
                                 splits=splits, interpret=interpret, keyside=keyside)
 
 
-def _in_waves(fn, q, k, w, k_scale, lo, hi, config, Tw: int, wit):
-    """``fn(q, k, w, k_scale, lo, hi, config, witnesses=...)`` on waves of ``Tw`` queries
-    (``lax.map``, one wave's lists live at a time), outputs concatenated over the queries."""
+def _in_waves(fn, q, k, w, k_scale, lo, hi, config, Tw: int, wit, floor=None):
+    """``fn(q, k, w, k_scale, lo, hi, config, witnesses=..., tau_floor=...)`` on waves of
+    ``Tw`` queries (``lax.map``, one wave's lists live at a time), outputs concatenated over
+    the queries."""
     T = q.shape[0]
     if Tw >= T:
-        return fn(q, k, w, k_scale, lo, hi, config, witnesses=wit)
+        return fn(q, k, w, k_scale, lo, hi, config, witnesses=wit, tau_floor=floor)
     n = -(-T // Tw)
     pad = n * Tw - T
     if wit is not None:      # [G4, W] -> per wave [Tw/4, W] (padded queries: no witnesses)
@@ -366,17 +397,19 @@ def _in_waves(fn, q, k, w, k_scale, lo, hi, config, Tw: int, wit):
     padq = lambda a: jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1))
     # padded queries see nothing (empty range): they are answered and dropped
     waves = (padq(q).reshape((n, Tw) + q.shape[1:]), padq(w).reshape((n, Tw) + w.shape[1:]),
-             padq(lo).reshape(n, Tw), padq(hi).reshape(n, Tw), wit)
+             padq(lo).reshape(n, Tw), padq(hi).reshape(n, Tw), wit,
+             None if floor is None else padq(floor).reshape(n, Tw))
 
     def one(args):
-        qw, ww, low, hiw, ws = args
-        return fn(qw, k, ww, k_scale, low, hiw, config, witnesses=ws)
+        qw, ww, low, hiw, ws, fw = args
+        return fn(qw, k, ww, k_scale, low, hiw, config, witnesses=ws, tau_floor=fw)
 
     out = lax.map(one, waves)
     return jax.tree_util.tree_map(lambda a: a.reshape((n * Tw,) + a.shape[2:])[:T], out)
 
 
-def predicted_call_terms(q, k, w, k_scale, lo, hi, config, *, witnesses, **wave_kw):
+def predicted_call_terms(q, k, w, k_scale, lo, hi, config, *, witnesses, tau_floor=None,
+                         **wave_kw):
     """:func:`predicted_cost_terms` of the call from the plans of every g-th group of 4
     queries (about :data:`SWITCH_SAMPLE_GROUPS` groups): their seeds, τ, planner sample,
     budgets, dense-group rule and predicted survivor unions, as their waves would build them."""
@@ -388,7 +421,8 @@ def predicted_call_terms(q, k, w, k_scale, lo, hi, config, *, witnesses, **wave_
     qi = np.minimum(qi, T - 1)
     wit = None if witnesses is None else witnesses[groups]
     d = _dosa_wave(q[qi], k, w[qi], k_scale, jnp.where(real, lo[qi], 0),
-                   jnp.where(real, hi[qi], 0), config, stop_after="plan", witnesses=wit, **wave_kw)
+                   jnp.where(real, hi[qi], 0), config, stop_after="plan", witnesses=wit,
+                   tau_floor=None if tau_floor is None else tau_floor[qi], **wave_kw)
     return predicted_cost_terms(d["direct_g"], d["rows_g"], d["use_g"], d["range_g"], H)
 
 
@@ -417,16 +451,17 @@ def _dense_pass(idx, sc, stats, direct, theta, q, w, k, k_scale, lo, hi, *, K: i
 
 
 def _dense_call(q, w, k, k_scale, lo, hi, config, *, tiles: Tiles, interpret, keyside: "KeySide",
-                witnesses):
-    """Every query by the dense scan from θ₀ = its seed τ (witnesses included), exact; the
-    call-level decision's path when screening cannot pay (``Stats.dense`` set)."""
+                witnesses, tau_floor=None):
+    """Every query by the dense scan from θ₀ = its seed τ (witnesses included; raised to
+    ``tau_floor``), exact; the call-level decision's path when screening cannot pay
+    (``Stats.dense`` set)."""
     T, K = q.shape[0], config.top_k
     ops = prepare_operands(q, w, k, k_scale, tiles.BQ, layout=tiles.layout,
                            widen_fp8=tiles.widen_fp8, lane_sums=tiles.lane_sums,
                            keys=keyside.operands)
     tau_key, n_eligible, n_seeds = seed_tau_key(ops, lo, hi, config, tiles=tiles,
                                                 interpret=interpret, witnesses=witnesses)
-    have_tau = n_eligible >= K
+    tau_key, have_tau = floored_tau_key(tau_key, n_eligible >= K, tau_floor)
     theta0 = jnp.where(have_tau, tau_key, THETA_NONE)
     idx, sc, cand = dense_mod.topk_from_operands(ops, lo, hi, theta0, K, tiles=tiles,
                                                  interpret=interpret, return_candidates=True)
@@ -569,7 +604,7 @@ def key_side(k, k_scale, tiles: Tiles) -> "KeySide":
 
 def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interpret,
                keyside: "KeySide", return_details: bool = False, stop_after=None,
-               witnesses=None, defer_direct: bool = False):
+               witnesses=None, defer_direct: bool = False, tau_floor=None):
     """One wave of :func:`dosa_topk` (all of its queries' lists live at once), with the
     call's :func:`key_side`."""
     K = config.top_k
@@ -594,7 +629,7 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     # 1. seeds: τ = K-th largest seed score (Eq. 2), scored by the shared routine
     tau_key, n_eligible, n_seeds = seed_tau_key(ops, lo, hi, config, tiles=tiles,
                                                 interpret=interpret, witnesses=witnesses)
-    have_tau = n_eligible >= K
+    tau_key, have_tau = floored_tau_key(tau_key, n_eligible >= K, tau_floor)
     tau = jnp.where(have_tau, _score_key(tau_key), -jnp.inf)
     if stop_after == "seeds":
         return dict(tau=tau, count=n_eligible)
@@ -624,7 +659,9 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     bad_scale = scale_fault(keyside.bad_prefix, lo, hi)
     prune = (plan.prune & have_tau & ~bad_scale & jnp.isfinite(coef) & jnp.isfinite(tau)
              & jnp.isfinite(eps))
-    theta_tau = jnp.where(prune, tau_key, THETA_NONE)
+    # a query that cannot prune is scanned densely from θ₀ = its floor (certified elsewhere)
+    theta_tau = jnp.where(prune, tau_key,
+                          THETA_NONE if tau_floor is None else floor_key(tau_floor))
     # queries that cannot prune, or whose sample says most keys survive, go straight to
     # the dense scan (from θ₀ = τ) with their group of 4: exact either way, only faster
     est = jax.vmap(estimated_survival)(sdots, snorm, svalid, tau, details)

@@ -42,6 +42,8 @@ CASES = {
     "bytes_gather": "collective bytes of the gather merge equal the formula",
     "bytes_tree": "collective bytes of the tree merge equal the formula",
     "gradients": "gradients of the selected scores wrt q, k, w equal the unsharded call's",
+    "pallas_mesh4": "4 devices, backend='pallas' (the kernels' local pass with the shared τ "
+                    "floor), a caller hint: bitwise the unsharded pallas topk",
 }
 
 N_KEYS, T, K = 1001, 16, 16
@@ -219,6 +221,16 @@ def _child():
     ok = all(d <= 1e-5 * max(n, 1.0) for d, n in zip(diffs, norms)) and all(n > 0 for n in norms)
     _report("gradients", ok, f"max |diff| {diffs}, max |grad| {norms}")
 
+    # the kernels' local pass (interpret mode here): bitwise the unsharded kernel call. (Not
+    # with k_scale here: interpret mode re-traces a kernel's masked load of the varying scale
+    # slice at lowering, where the varying-axes checks are on again, and fails there.)
+    # One case (interpret-mode compiles are slow), screened path only (the dense-call path's
+    # floor: test_pallas_local_pass_with_floor_equals_reference).
+    pcfg = cfg.replace(backend="pallas", dense_switch=float("inf"))
+    want_p = jax.jit(lambda q, k, w, lo, hi, hint: dosa_jax.topk(
+        q, k, w, lo=lo, hi=hi, config=pcfg, hint=hint))(q, k, w, lo, hi, hint)
+    run("pallas_mesh4", mesh(4), pcfg, hint=hint, expect=want_p)
+
 
 # ---------------------------------------------------------------------------------------
 # the tests
@@ -263,20 +275,116 @@ def test_context_axis_validated():
         dosa_jax.Config(context_merge="ring")
 
 
-@pytest.mark.parametrize("backend, error, match", [
-    ("reference", ValueError, "context_axis='cp'"),      # not inside a shard_map over 'cp'
-    # the Pallas kernels cannot answer under context_axis: NotImplementedError, so that
-    # backend='auto' falls back to the reference
-    ("pallas", NotImplementedError, "context_axis"),
-])
-def test_context_axis_errors(backend, error, match):
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+def test_context_axis_errors(backend):
+    """Outside a shard_map over the context axis, both backends name Config.context_axis."""
     import jax.numpy as jnp
     import dosa_jax
     q, k, w = jnp.ones((2, 2, 4)), jnp.ones((64, 4)), jnp.ones((2, 2))
     cfg = dosa_jax.Config(top_k=4, context_axis="cp", backend=backend)
     for fn in (dosa_jax.topk, dosa_jax.dense_topk):
-        with pytest.raises(error, match=match):
+        with pytest.raises(ValueError, match="context_axis='cp'"):
             fn(q, k, w, config=cfg)
+
+
+def test_reference_dispatch_refuses_the_kernels():
+    """Without the api's dispatcher the context-parallel entries answer with the reference
+    only: backend='pallas' raises NotImplementedError instead of silently not using it."""
+    from dosa_jax import context_parallel as cp
+    with pytest.raises(NotImplementedError, match="dispatch"):
+        cp.reference_dispatch("pallas", "topk")
+
+
+def _integer_inputs():
+    """Small-integer bf16 queries and keys, integer weights: every score is exact in float32,
+    so the reference scorer and the kernels' agree bitwise (and ties are many)."""
+    import numpy as np
+    import jax.numpy as jnp
+    T, N, H, D = 16, 300, 4, 16
+    rng = np.random.default_rng(0)
+    q = rng.integers(-3, 4, (T, H, D))
+    k = rng.integers(-3, 4, (N, D))
+    k[150:160] = k[20:30]                                   # equal scores, other ids
+    w = rng.integers(-2, 3, (T, H)).astype(np.float32)
+    w[8] = -np.abs(w[8]) - 1                                # one-sign weights
+    w[9] = 0.0                                              # every score 0: ties only
+    lo = np.zeros(T, np.int32)
+    hi = np.full(T, N, np.int32)
+    hi[12:14] = [5, 0]                                      # |Ω| < K, empty
+    lo[14:16], hi[14:16] = [100, 200], [180, 300]
+    return (jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16), jnp.asarray(w),
+            jnp.asarray(lo), jnp.asarray(hi))
+
+
+def test_pallas_local_pass_with_floor_equals_reference():
+    """The kernels' τ floor (``dosa_topk(tau_floor=)``: screened in waves, dense call) gives
+    the reference local pass's records bitwise: the exact Top-K of the keys scoring ≥ floor,
+    −1/−inf pads when fewer reach it, ties at the floor kept (score desc, id asc)."""
+    import numpy as np
+    import jax
+    import jax.numpy as jnp
+    import dosa_jax
+    from dosa_jax import api
+    from dosa_jax import context_parallel as cp
+    from dosa_jax.pipeline import dosa_topk_reference
+    K = 8
+    q, k, w, lo, hi = _integer_inputs()
+    s = np.asarray(dosa_jax.score(q, k, w, lo=lo, hi=hi))
+    srt = -np.sort(-s, axis=1)
+    floor = np.full(q.shape[0], -np.inf, np.float32)
+    floor[1], floor[2], floor[4] = srt[1, K // 2], srt[2, 3 * K], srt[4, 0]
+    floor[3] = np.inf                                       # no key reaches it
+    floor[5] = srt[5, K - 1]                                # the K-th score: ties at the floor
+    floor[6] = np.nextafter(srt[6, 2], np.float32(np.inf))  # just above the third score
+    floor[8], floor[9], floor[12] = srt[8, 2], 0.0, 0.0
+    floor[7] = np.nan                                       # NaN: no floor on the kernels
+    cfg = dosa_jax.Config(top_k=K, key_block=64, query_tile=4, budget_sample=32,
+                          retained_heads=2)
+    args = (q, k, w, None, lo, hi)
+    f = jnp.asarray(floor)
+    pallas = api.implementation("pallas").topk
+    # screened in two waves of 8 queries (the floor split with them), and the dense call
+    got = jax.jit(lambda f: [pallas(*args, cfg.replace(dense_switch=sw), tau_floor=f,
+                                    wave=wave)[:2]
+                             for sw, wave in ((float("inf"), 8), (1e-9, None))])(f)
+    f_ref = jnp.where(jnp.isnan(f), -jnp.inf, f)
+    ri, rs, _ = jax.jit(lambda f: dosa_topk_reference(*args, cfg, tau_floor=f))(f_ref)
+    ri, rs = cp.at_or_above(ri, rs, f_ref)
+    ri, rs = np.asarray(ri), np.asarray(rs)
+    # the floor acts: rows with pads, none below their floor, the tie rows in id order
+    assert (ri[3] == -1).all() and (ri[4, 1:] == -1).all() and (ri[6, 2:] == -1).all()
+    assert ((ri[1] >= 0).sum() > K // 2) and (ri[1] == -1).any()
+    assert np.array_equal(ri[9], np.arange(K))
+    assert np.all((rs >= floor[:, None]) | (ri < 0) | np.isnan(floor)[:, None])
+    for path, (pi, ps) in zip(("screened", "dense call"), got):
+        np.testing.assert_array_equal(np.asarray(pi), ri, err_msg=path)
+        np.testing.assert_array_equal(np.asarray(ps).view(np.int32), rs.view(np.int32),
+                                      err_msg=path)
+
+
+@pytest.mark.gpu
+def test_one_device_mesh_on_gpu_equals_plain_topk():
+    """On a GPU the default backend's kernels answer the 1-device mesh: bitwise plain topk."""
+    import numpy as np
+    import jax
+    from jax.sharding import Mesh
+    import dosa_jax
+    from dosa_jax import synthetic
+    if not dosa_jax.backend.on_gpu():   # checked here: the child must start jax itself
+        pytest.skip("needs a GPU")
+    x = synthetic.structured(T=256, N=1 << 15, H=16, D=128, seed=1,
+                             key_dtype="float8_e4m3fn", query_dtype="bfloat16")
+    cfg = dosa_jax.Config(top_k=256)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("cp",))
+    kw = dict(k_scale=x.k_scale, lo=x.lo, hi=x.hi, config=cfg)
+    want = jax.jit(lambda q, k, w: dosa_jax.topk(q, k, w, **kw))(x.q, x.k, x.w)
+    got = jax.jit(lambda q, k, w: dosa_jax.sharded_topk(q, k, w, mesh=mesh, **kw))(
+        x.q, x.k, x.w)
+    np.testing.assert_array_equal(np.asarray(got.indices), np.asarray(want.indices))
+    np.testing.assert_array_equal(np.asarray(got.scores).view(np.int32),
+                                  np.asarray(want.scores).view(np.int32))
+    # the kernels answered: their statistics carry the call-level cost prediction
+    assert np.isfinite(np.asarray(got.stats.predicted_cost)).all()
 
 
 def test_sharded_topk_checks_mesh_axes():
