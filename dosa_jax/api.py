@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dosa_jax import autodiff, context_parallel, manual_axes, selection
+from dosa_jax import autodiff, context_parallel, decode, manual_axes, selection
 from dosa_jax.backend import BACKENDS, candidates, resolve_backend
 from dosa_jax.config import Config
 from dosa_jax.dense import dense_topk_reference
@@ -26,8 +26,8 @@ from dosa_jax.pipeline import dosa_topk_reference
 from dosa_jax.results import Stats, TopKResult
 from dosa_jax.scorer import score_matrix
 
-__all__ = ["IMPLEMENTATIONS", "Implementation", "Stats", "TopKResult", "dense_topk",
-           "exact_topk", "implementation", "resolve_backend", "score", "sharded_topk", "topk"]
+__all__ = ["IMPLEMENTATIONS", "Implementation", "Stats", "TopKResult", "decode_topk",
+           "dense_topk", "exact_topk", "implementation", "resolve_backend", "score", "sharded_topk", "topk"]
 
 
 class Implementation(NamedTuple):
@@ -39,15 +39,15 @@ class Implementation(NamedTuple):
     scorer_error(q, w, k_dtype, unit_roundoff) -> [T] relative error coefficient C of the
     backend's scorer (DESIGN §9, Eq. 26), for the cross-backend contract (``agreement``).
     decode_topk(q, k, w, ids, k_scale, lengths, page_table, config) -> (indices, scores,
-    DecodeStats, next witnesses [B, M, W / M]), one decode step (:mod:`dosa_jax.decode`;
-    None: the reference answers).
+    DecodeStats, next witnesses [B, M, W / M]), one decode step on validated inputs
+    (:mod:`dosa_jax.decode`).
     """
 
     topk: Callable
     dense_topk: Callable
     exact_topk: Callable
     scorer_error: Callable
-    decode_topk: Optional[Callable] = None
+    decode_topk: Callable
 
 
 def _reference_scorer_error(q, w, k_dtype, unit_roundoff):
@@ -59,7 +59,7 @@ def _reference_scorer_error(q, w, k_dtype, unit_roundoff):
 
 def _reference() -> Implementation:
     return Implementation(dosa_topk_reference, dense_topk_reference, selection.exact_topk,
-                          _reference_scorer_error)
+                          _reference_scorer_error, decode.decode_topk_reference)
 
 
 def _pallas() -> Implementation:
@@ -67,12 +67,12 @@ def _pallas() -> Implementation:
         import pallas_kernels.pipeline as pipeline  # the one lazy edge to the kernels
         import pallas_kernels.select as select
         import pallas_kernels.numerics as numerics
-        import pallas_kernels.decode as decode
+        import pallas_kernels.decode as decode_kernels
     except ImportError as e:  # pragma: no cover - exercised only without the package
         raise NotImplementedError(f"backend='pallas' needs pallas_kernels: {e}") from e
     return Implementation(pipeline.dosa_topk, pipeline.dense_topk, select.exact_topk,
                           lambda q, w, k_dtype, _u: numerics.scorer_error_coefficient(q, w, k_dtype),
-                          decode_topk=decode.decode_topk)
+                          decode_kernels.decode_topk)
 
 
 #: Backend name -> loader of its :class:`Implementation` (loaded on first use).
@@ -198,6 +198,45 @@ def sharded_topk(q, k, w, *, mesh, axis: str = "cp", query_axis: Optional[str] =
     return context_parallel.sharded_topk(
         q, k, w, mesh=mesh, axis=axis, query_axis=query_axis, k_scale=k_scale, lo=lo, hi=hi,
         config=_config_with_top_k(config, top_k), hint=hint, dense=dense, dispatch=_dispatch)
+
+
+def decode_topk(q, k, w, state: "decode.DecodeState", *, k_scale=None, lengths=None, page_table=None,
+                config: Optional[Config] = None):
+    """One decode step: the exact Top-K of every sequence's query(ies), and the next state.
+
+    Args:
+      q: [B, H, D] (one query per sequence) or [B, M, H, D] (M ≤ 4 queries per sequence, all
+        seeing the same keys).
+      k: contiguous [B, N, D], or paged [P, page, D] with ``page_table``.
+      w: [B, H] (or [B, M, H]) float32 head weights.
+      state: :class:`~dosa_jax.decode.DecodeState` (``decode_init``, then each step's returned state).
+      k_scale: [B, N] (or [P, page]) float32 per-key scales; required for FP8 keys.
+      lengths: [B] visible keys per sequence (default: all N; required when paged);
+        clipped to [0, capacity]. Length 0 gives all pads.
+      page_table: [B, max_pages] page ids of each sequence (paged keys); ids outside
+        [0, P) are clipped.
+      config: :class:`Config` (static): ``top_k``, ``capacity`` (compaction buffer per query,
+        default 2·K), ``key_block``, ``backend``.
+    Returns:
+      (TopKResult with indices [B, K] (or [B, M, K]) int32 sequence positions (score desc,
+      id asc; −1 pads), scores float32 (−inf pads), stats :class:`~dosa_jax.decode.DecodeStats`; the next
+      :class:`~dosa_jax.decode.DecodeState`: each query's best W / M keys of this step, selection first).
+      Indices and scores equal, bitwise, ``dense_topk`` of each
+      sequence's queries over its first ``lengths[b]`` keys on the same backend.
+    """
+    config = decode.decode_config(config)
+    q, k, w, ids, k_scale, lengths, page_table, squeeze = decode.check_decode_inputs(
+        q, k, w, state, k_scale, lengths, page_table)
+    sg = lax.stop_gradient
+    args = (sg(q), sg(k), sg(w), ids, None if k_scale is None else sg(k_scale), lengths,
+            page_table, config)
+    idx, sc, stats, nxt = _dispatch(config.backend, "decode_topk", *args)
+    sc = decode.differentiable_scores(q, k, w, k_scale, page_table, idx, sc)
+    new_state = decode.DecodeState(decode.fit_witnesses(nxt, ids.shape[1]))
+    if squeeze:
+        idx, sc = idx[:, 0], sc[:, 0]
+        stats = jax.tree_util.tree_map(lambda x: x[:, 0], stats)
+    return TopKResult(idx, sc, stats), new_state
 
 
 def score(q, k, w, k_scale=None, lo=None, hi=None, config: Optional[Config] = None):

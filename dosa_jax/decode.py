@@ -43,7 +43,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dosa_jax.backend import candidates
 from dosa_jax.config import Config
 from dosa_jax.inputs import FLOAT_INPUT_DTYPES, FP8_DTYPE
 from dosa_jax.results import TopKResult
@@ -61,7 +60,8 @@ ACCEPT_ALL = int(INT32_MIN) + 1
 WITNESS_FACTOR = 4
 
 __all__ = ["DecodeState", "DecodeStats", "MAX_QUERIES", "WITNESS_FACTOR", "best_witnesses",
-           "candidate_capacity", "decode_init", "decode_topk", "decode_topk_reference",
+           "candidate_capacity", "decode_config", "decode_init", "decode_topk_reference",
+           "differentiable_scores",
            "distinct_pool", "fit_witnesses", "looked_at", "select_with_witnesses", "witness_budget",
            "witness_threshold"]
 
@@ -219,7 +219,7 @@ def check_decode_inputs(q, k, w, state, k_scale, lengths, page_table):
     return q, k, w, ids, k_scale, lengths, page_table, squeeze
 
 
-def _config(config) -> Config:
+def decode_config(config) -> Config:
     config = config or Config()
     if not isinstance(config, Config):
         raise TypeError(f"config must be a dosa_jax.Config, got {type(config).__name__}")
@@ -409,64 +409,7 @@ def decode_topk_reference(q, k, w, ids, k_scale, lengths, page_table, config: Co
     return lax.map(one, jnp.arange(q.shape[0]))
 
 
-def _call(backend: str, *args):
-    """The first implementation for ``backend`` that answers (the reference always does)."""
-    from dosa_jax import api   # the dispatch table (api imports nothing of this module)
-    reasons = []
-    for name in candidates(backend):
-        if name == "reference":
-            return decode_topk_reference(*args)
-        try:
-            fn = api.implementation(name).decode_topk
-            if fn is None:
-                raise NotImplementedError("no decode kernels registered")
-            return fn(*args)
-        except NotImplementedError as e:
-            reasons.append(f"{name}: {e}")
-    raise NotImplementedError(f"no implementation of decode_topk for backend={backend!r}: "
-                              + "; ".join(reasons))
-
-
-def decode_topk(q, k, w, state: DecodeState, *, k_scale=None, lengths=None, page_table=None,
-                config: Optional[Config] = None):
-    """One decode step: the exact Top-K of every sequence's query(ies), and the next state.
-
-    Args:
-      q: [B, H, D] (one query per sequence) or [B, M, H, D] (M ≤ 4 queries per sequence, all
-        seeing the same keys).
-      k: contiguous [B, N, D], or paged [P, page, D] with ``page_table``.
-      w: [B, H] (or [B, M, H]) float32 head weights.
-      state: :class:`DecodeState` (``decode_init``, then each step's returned state).
-      k_scale: [B, N] (or [P, page]) float32 per-key scales; required for FP8 keys.
-      lengths: [B] visible keys per sequence (default: all N; required when paged);
-        clipped to [0, capacity]. Length 0 gives all pads.
-      page_table: [B, max_pages] page ids of each sequence (paged keys); ids outside
-        [0, P) are clipped.
-      config: :class:`Config` (static): ``top_k``, ``capacity`` (compaction buffer per query,
-        default 2·K), ``key_block``, ``backend``.
-    Returns:
-      (TopKResult with indices [B, K] (or [B, M, K]) int32 sequence positions (score desc,
-      id asc; −1 pads), scores float32 (−inf pads), stats :class:`DecodeStats`; the next
-      :class:`DecodeState`: each query's best W / M keys of this step, selection first).
-      Indices and scores equal, bitwise, ``dense_topk`` of each
-      sequence's queries over its first ``lengths[b]`` keys on the same backend.
-    """
-    config = _config(config)
-    q, k, w, ids, k_scale, lengths, page_table, squeeze = check_decode_inputs(
-        q, k, w, state, k_scale, lengths, page_table)
-    sg = lax.stop_gradient
-    args = (sg(q), sg(k), sg(w), ids, None if k_scale is None else sg(k_scale), lengths,
-            page_table, config)
-    idx, sc, stats, nxt = _call(config.backend, *args)
-    sc = _differentiable(q, k, w, k_scale, page_table, idx, sc)
-    new_state = DecodeState(fit_witnesses(nxt, ids.shape[1]))
-    if squeeze:
-        idx, sc = idx[:, 0], sc[:, 0]
-        stats = jax.tree_util.tree_map(lambda x: x[:, 0], stats)
-    return TopKResult(idx, sc, stats), new_state
-
-
-def _differentiable(q, k, w, k_scale, page_table, idx, sc):
+def differentiable_scores(q, k, w, k_scale, page_table, idx, sc):
     """Scores carrying the scorer's derivative at the selected keys (as ``dense_topk``'s):
     the sequences' keys as one table (rows of the pages, or b·N + i), ids as rows."""
     from dosa_jax import autodiff
