@@ -210,13 +210,17 @@ def matrix(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
             ("overflow_share", "screened: queries overflowed"),
             ("recovery_share", "screened: queries rescanned"),
             ("dense_share_screened", "screened: queries in the dense pass"),
-            ("anchored_ms", f"DoSA, anchors every {p.anchor_stride}, ms"),
-            ("dense_over_anchored", "dense/anchored"), ("anchored_survival", "anchored survival"),
+
             ("survival", "survival (τ)"), ("tau_over_tau_star", "τ/τ*"),
             ("survival_sub_tau", "sub: survival (τ)"),
             ("survival_sub_tau_star", "sub: survival (τ*)"), ("floor_exact", "floor K/|Ω|"),
             ("slack_pos", "δ_P"), ("slack_unc", "uncov. neg."), ("slack_canc", "cancel."),
             ("slack_num", "numeric"), ("clock", "clock")]
+    if p.anchor_stride:      # the anchored variant's columns, beside the screened one's
+        at = [c for c, _ in cols].index("cost_terms") + 1
+        cols[at:at] = [("anchored_ms", f"DoSA, anchors every {p.anchor_stride}, ms"),
+                       ("dense_over_anchored", "dense/anchored"),
+                       ("anchored_survival", "anchored survival")]
     tab = Table("matrix", f"Matrix: T={p.T} causal, K={p.K}, FP8 keys, Config(backend='auto')",
                 cols, out, meta, summary=matrix_summary, notes=[
                     f"median of {repeats} timed calls after {warmup} warm-up, each case's "

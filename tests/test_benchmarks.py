@@ -10,6 +10,9 @@ import math
 import numpy as np
 import pytest
 
+#: one worker runs this module: its module fixture (a costly run) is then built once
+pytestmark = pytest.mark.xdist_group("benchmarks")
+
 from benchmarks import __main__ as entry
 from benchmarks.report import Table, geometric_mean
 from benchmarks.shapes import PRESETS, QUICK

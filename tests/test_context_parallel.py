@@ -20,6 +20,9 @@ import sys
 
 import pytest
 
+#: one worker runs this module: its module fixture (a costly run) is then built once
+pytestmark = pytest.mark.xdist_group("context_parallel")
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 #: case name -> what it checks (the child reports each by name).

@@ -5,6 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+#: one worker runs this module: its module fixture (a costly run) is then built once
+pytestmark = pytest.mark.xdist_group("generate")
+
 import dosa_jax
 from dosa_jax.lm import generate as gen
 from dosa_jax.lm.indexer import IndexerConfig, init_indexers
