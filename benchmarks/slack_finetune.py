@@ -468,14 +468,18 @@ def run(plan: Plan, out: str, quick: bool) -> Table:
             continue
         eval_est = clock.elapsed() - t_eval
     chosen, met = choose(tab.rows, plan.lambdas, plan.coverage_tolerance)
-    tab.notes.append(f"chosen λ = {chosen:g} (coverage within {plan.coverage_tolerance * 100:g} "
-                     f"points of λ=0 everywhere: {'yes' if met else 'NO'}); its weights: "
-                     f"{WEIGHTS_NAME}")
     tab.meta.update(chosen_lambda=chosen, coverage_target_met=met)
-    if chosen in files:
-        shutil.copyfile(files[chosen], os.path.join(out, WEIGHTS_NAME))
+    if chosen == 0.0:    # no regularised λ was measured against λ = 0: no "slack" weights
+        tab.error("no λ > 0 was measured beside λ = 0: no regularised weights written")
+        clock.log("chosen λ: none measured; no regularised weights written")
+    else:
+        tab.notes.append(f"chosen λ = {chosen:g} (coverage within "
+                         f"{plan.coverage_tolerance * 100:g} points of λ=0 everywhere: "
+                         f"{'yes' if met else 'NO'}); its weights: {WEIGHTS_NAME}")
+        if chosen in files:
+            shutil.copyfile(files[chosen], os.path.join(out, WEIGHTS_NAME))
+        clock.log(f"chosen λ={chosen} (coverage target met: {met}); wrote {WEIGHTS_NAME}")
     tab.write()
-    clock.log(f"chosen λ={chosen} (coverage target met: {met}); wrote {WEIGHTS_NAME}")
 
     # DoSA vs dense at T, N for the chosen λ, then λ = 0
     order = [chosen] + ([0.0] if chosen != 0.0 and 0.0 in files else [])

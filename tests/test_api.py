@@ -330,57 +330,6 @@ print("ok")
 """
 
 
-def test_submodules_are_lazy_attributes():
-    import subprocess
-    import sys
-    out = subprocess.run([sys.executable, "-c", _LAZY_SCRIPT], capture_output=True, text=True,
-                         cwd=str(__import__("pathlib").Path(__file__).resolve().parents[1]),
-                         timeout=300)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
-    for name in ("datasets", "diagnostics", "budget", "lm", "slack", "agreement", "autodiff"):
-        assert name in dosa_jax.SUBMODULES
-
-
-_SHARD_SCRIPT = r"""
-import os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-import numpy as np, jax, jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
-import dosa_jax
-from dosa_jax import synthetic
-shard_map = getattr(jax, "shard_map", None)
-if shard_map is None:
-    from jax.experimental.shard_map import shard_map
-backend, ops = sys.argv[1], sys.argv[2].split(",")
-x = synthetic.structured(T=16, N=256, H=4, D=16, seed=2)
-lo, hi = dosa_jax.causal_ranges(16, 256)
-cfg = dosa_jax.Config(top_k=8, key_block=64, query_tile=4, budget_sample=32, backend=backend)
-mesh = Mesh(np.array(jax.devices()[:4]), ("q",))   # one device on a single-GPU machine
-fns = {"topk": dosa_jax.topk, "dense_topk": dosa_jax.dense_topk}
-for op in ops:
-    if op == "exact_topk":
-        rows = dosa_jax.score(x.q, x.k, x.w, lo=lo, hi=hi)
-        f = lambda r: tuple(dosa_jax.exact_topk(r, 8, backend=backend))
-        g = shard_map(f, mesh=mesh, in_specs=(P("q"),), out_specs=(P("q"), P("q")))
-        pairs = zip(jax.jit(g)(rows), f(rows))
-    else:
-        fn = fns[op]
-        f = lambda q, w, lo, hi: tuple(fn(q, x.k, w, lo=lo, hi=hi, config=cfg)[:2])
-        g = shard_map(f, mesh=mesh, in_specs=(P("q"),) * 4, out_specs=(P("q"), P("q")))
-        pairs = zip(jax.jit(g)(x.q, x.w, lo, hi), f(x.q, x.w, lo, hi))
-    for a, b in pairs:
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    print(op, "ok", flush=True)
-if backend == "reference":
-    # default ranges too (created inside the call)
-    f2 = lambda q, w: tuple(dosa_jax.topk(q, x.k, w, config=cfg)[:2])
-    g2 = shard_map(f2, mesh=mesh, in_specs=(P("q"),) * 2, out_specs=(P("q"), P("q")))
-    for a, b in zip(g2(x.q, x.w), f2(x.q, x.w)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-print("ok")
-"""
-
-
 def _run_shard_script(backend, ops):
     import subprocess
     import sys
