@@ -351,8 +351,9 @@ def test_regularizer_chains_before_adamw():
 # ----------------------------------------------------------------------- the measured work
 
 def test_screening_work_counts_the_dot_products_of_the_call():
-    st = jax.device_get(jax.jit(lambda: dosa_jax.topk(**_args(_inputs()), config=CFG_ABS.replace(
-        backend="reference")).stats)())
+    args = _args(_inputs())          # built outside the trace (numpy data, cached)
+    st = jax.device_get(jax.jit(lambda a: dosa_jax.topk(**a, config=CFG_ABS.replace(
+        backend="reference")).stats)(args))
     H = _inputs().q.shape[1]
     # per query: H dots per seed and per survivor, r + d_a per screened key (counted apart)
     dots = sum(H * int(st.seeds[t]) + (int(st.budget[t]) + 1) * int(st.screened[t])
