@@ -47,7 +47,7 @@ from dosa_jax.selection import INT32_MIN, key_to_score
 from dosa_jax.tiling import round_up_to
 from pallas_kernels import records as rec
 from pallas_kernels.common import (ID_BITS, THETA_NONE, compiler_params, interpret_default,
-                                   kernel_order_key, mma_pieces, pad_axis, split_key_tiles)
+                                   mma_pieces, pad_axis, split_key_tiles)
 from pallas_kernels.operands import capacity_for, prepare_operands
 from pallas_kernels.scoring import load_query_tile, score_reference, score_tile
 from pallas_kernels.seeds import seed_scores
@@ -97,13 +97,8 @@ def _scan_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, BK: int, H: int, S: int,
         scale = sc_ref[pl.ds(row0, BK)] if has_scale else jnp.ones((BK,), jnp.float32)
         sc = score_tile(qp, wv, kp, scale, BQ=BQ, H=H, pairs=pairs, layout=tiles.layout,
                         lane_sums=lane_sums)
-        key = kernel_order_key(sc)
-        idb = jnp.broadcast_to(ids[None, :], (BQ, BK))
-        elig = (idb < hi[:, None]) & (key != INT32_MIN)
-        count, theta, strict = state
-        count, n = rec.append(rk_ref, ri_ref, base, count, rec.theta_accept(theta, strict),
-                              key, idb, elig, C=C, size=size)
-        return (count, theta, strict), n
+        return rec.append_scored_tile(rk_ref, ri_ref, base, state, sc, ids, None, hi, C=C,
+                                      size=size)
 
     state, appended = rec.scan_tiles(start, stop, tile, theta0, rk_ref, ri_ref, base, K, C=C,
                                      BK=BK, CH=CH, size=size, interpret=interpret)

@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dosa_jax.selection import INT32_MIN, select_by_position
+from dosa_jax.selection import select_by_position
 from pallas_kernels import records as rec
 from pallas_kernels.common import (THETA_NONE, compiler_params, group_range, interpret_default,
-                                   kernel_order_key, mma_pieces, split_key_tiles)
+                                   mma_pieces, split_key_tiles)
 from pallas_kernels.operands import Candidates, Operands, capacity_for, prepare_operands
 from pallas_kernels.scoring import load_query_tile, score_reference, score_tile
 from pallas_kernels.tiles import Tiles, check_tiles
@@ -65,13 +65,8 @@ def _dense_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, H: int, N: int, S: int,
         scale = rec._plgpu().load(sc_ref.at[pl.ds(j * BK, BK)], mask=inb, other=1.0)
         sc = score_tile(qp, wv, kp, scale, BQ=BQ, H=H, pairs=pairs, fp8_mma=fp8_mma,
                         layout=tiles.layout, lane_sums=lane_sums)
-        key = kernel_order_key(sc)
-        idb = jnp.broadcast_to(ids[None, :], (BQ, BK))
-        elig = (idb >= lo[:, None]) & (idb < hi[:, None]) & (key != INT32_MIN)
-        count, theta, strict = state
-        count, n = rec.append(rk_ref, ri_ref, base, count, rec.theta_accept(theta, strict),
-                              key, idb, elig, C=C, size=size)
-        return (count, theta, strict), n
+        return rec.append_scored_tile(rk_ref, ri_ref, base, state, sc, ids, lo, hi, C=C,
+                                      size=size)
 
     state, appended = rec.scan_tiles(start, stop, tile, theta0, rk_ref, ri_ref, base, K, C=C,
                                      BK=BK, CH=CH, size=size, interpret=interpret)

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dosa_jax.selection import INT32_MAX, INT32_MIN, key_to_score, order_key, select_by_position
-from pallas_kernels.common import cdiv
+from pallas_kernels.common import cdiv, kernel_order_key
 
 Array = jax.Array
 
@@ -69,6 +69,23 @@ def load_slots(ref, base, slots, valid, size: int, other=0):
 def store_slots(ref, base, slots, val, mask, size: int):
     idx = masked_index(base[:, None] + slots, mask, size)
     _plgpu().store(ref.at[idx], val, mask=mask)
+
+
+def append_scored_tile(key_ref, id_ref, base, state, scores, ids, lo, hi, *, C: int,
+                       size: int):
+    """A scanned tile's scores [BQ, BK] appended to the queries' record buffers: each key of
+    ``ids`` [BK] in a query's range ``[lo, hi)`` (``lo`` None: from 0) whose order key is not
+    NaN's and clears the scan state's threshold. ``state`` = (count, theta, strict) of
+    :func:`scan_tiles`; returns (the new state, number appended [BQ])."""
+    key = kernel_order_key(scores)
+    idb = jnp.broadcast_to(ids[None, :], scores.shape)
+    elig = (idb < hi[:, None]) & (key != INT32_MIN)
+    if lo is not None:
+        elig = elig & (idb >= lo[:, None])
+    count, theta, strict = state
+    count, n = append(key_ref, id_ref, base, count, theta_accept(theta, strict), key, idb, elig,
+                      C=C, size=size)
+    return (count, theta, strict), n
 
 
 def append(key_ref, id_ref, base, count, theta_acc, key, ids, eligible, *, C: int, size: int):
