@@ -82,11 +82,18 @@ def run(argv=None):
     ap.add_argument("--tag", default="", help="suffix of the output file names")
     ap.add_argument("--anchor-stride", type=int, default=0,
                     help="matrix: also time DoSA with Config.anchor_stride=S (0: no variant)")
+    ap.add_argument("--block-witnesses", type=int, default=0,
+                    help="matrix: also time DoSA with Config.block_witnesses=W (0: no variant)")
     a = ap.parse_args(argv)
     preset = (QUICK if a.quick else PRESETS)[a.preset]
     if a.anchor_stride < 0:
         ap.error(f"--anchor-stride must be >= 0, got {a.anchor_stride}")
-    preset = preset._replace(anchor_stride=a.anchor_stride)
+    try:
+        from dosa_jax import Config
+        Config(block_witnesses=a.block_witnesses)
+    except ValueError as e:
+        ap.error(f"--block-witnesses: {e}")
+    preset = preset._replace(anchor_stride=a.anchor_stride, block_witnesses=a.block_witnesses)
     repeats = preset.repeats if a.repeats is None else a.repeats
     warmup = preset.warmup if a.warmup is None else a.warmup
     if repeats < 1 or warmup < 0:
@@ -97,7 +104,8 @@ def run(argv=None):
         ap.error(str(e))
     meta = run_meta(preset)
     meta.update(Ns=list(Ns), cases=[c.name for c in cases], repeats=repeats, warmup=warmup,
-                quick=a.quick, tag=a.tag, anchor_stride=a.anchor_stride)
+                quick=a.quick, tag=a.tag, anchor_stride=a.anchor_stride,
+                block_witnesses=a.block_witnesses)
     log(f"[{a.preset}] N={list(Ns)} cases={[c.name for c in cases]} repeats={repeats} "
         f"warmup={warmup} out={a.out}")
     tab = RUNNERS[a.preset](preset, Ns, cases, a.out, meta, repeats, warmup)

@@ -216,11 +216,15 @@ def matrix(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
             ("survival_sub_tau_star", "sub: survival (τ*)"), ("floor_exact", "floor K/|Ω|"),
             ("slack_pos", "δ_P"), ("slack_unc", "uncov. neg."), ("slack_canc", "cancel."),
             ("slack_num", "numeric"), ("clock", "clock")]
-    if p.anchor_stride:      # the anchored variant's columns, beside the screened one's
-        at = [c for c, _ in cols].index("cost_terms") + 1
-        cols[at:at] = [("anchored_ms", f"DoSA, anchors every {p.anchor_stride}, ms"),
-                       ("dense_over_anchored", "dense/anchored"),
-                       ("anchored_survival", "anchored survival")]
+    # the witness variants' columns (anchors, block witnesses), beside the screened one's
+    variants = [(name, label, over) for name, label, over in (
+        ("anchored", f"anchors every {p.anchor_stride}", dict(anchor_stride=p.anchor_stride)),
+        ("blockwit", f"{p.block_witnesses} block witnesses",
+         dict(block_witnesses=p.block_witnesses))) if any(over.values())]
+    at = [c for c, _ in cols].index("cost_terms") + 1
+    for name, label, _ in reversed(variants):
+        cols[at:at] = [(f"{name}_ms", f"DoSA, {label}, ms"), (f"dense_over_{name}", f"dense/{name}"),
+                       (f"{name}_survival", f"{name} survival")]
     tab = Table("matrix", f"Matrix: T={p.T} causal, K={p.K}, FP8 keys, Config(backend='auto')",
                 cols, out, meta, summary=matrix_summary, notes=[
                     f"median of {repeats} timed calls after {warmup} warm-up, each case's "
@@ -235,8 +239,7 @@ def matrix(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
     # the same DoSA with the call-level dense switch off: what the switch's prediction decides on
     f_screened, _ = jitted_paths(cfg.replace(dense_switch=float("inf")))
     f_terms = cost_terms_fn(cfg)
-    f_anchored = jitted_paths(cfg.replace(anchor_stride=p.anchor_stride))[0] if p.anchor_stride \
-        else None
+    f_variants = [(name, jitted_paths(cfg.replace(**over))[0]) for name, _, over in variants]
     for N in Ns:
         for case in sorted(cases, key=lambda c: c.H):     # one compile per (H, N)
             t0 = time.perf_counter()
@@ -263,14 +266,14 @@ def matrix(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
                            dense_over_dosa=t_dense.seconds / t_dosa.seconds, clock=t_dosa.clock,
                            screened_ms=t_scr.seconds * 1e3,
                            dense_over_screened=t_dense.seconds / t_scr.seconds)
-                if f_anchored is not None:
-                    ai, asc, ast = f_anchored(*args)
-                    row["dosa_eq_dense"] &= bitwise_equal(ai, asc, ei, es)
-                    t_anc = timeit(f_anchored, *args, warmup=warmup, repeats=repeats)
-                    row.update(anchored_ms=t_anc.seconds * 1e3,
-                               dense_over_anchored=t_dense.seconds / t_anc.seconds,
-                               anchored_survival=stats_summary(ast)["survival"])
-                    del ai, asc
+                for name, f_var in f_variants:
+                    vi, vsc, vst = f_var(*args)
+                    row["dosa_eq_dense"] &= bitwise_equal(vi, vsc, ei, es)
+                    t_var = timeit(f_var, *args, warmup=warmup, repeats=repeats)
+                    row.update({f"{name}_ms": t_var.seconds * 1e3,
+                                f"dense_over_{name}": t_dense.seconds / t_var.seconds,
+                                f"{name}_survival": stats_summary(vst)["survival"]})
+                    del vi, vsc
                 log(f"[matrix] {case.name} N={N}: timed DoSA {row['dosa_ms']:.1f} ms, dense "
                     f"{row['dense_ms']:.1f} ms")
                 row.update(bound_floor(inp, es, sst.tau_seed, cfg, p.K, p.bound_queries))

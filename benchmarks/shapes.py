@@ -51,6 +51,7 @@ class Preset(NamedTuple):
     select_rows: int = 256
     select_cols: int = 1 << 20
     anchor_stride: int = 0
+    block_witnesses: int = 0
     # decode: batch sizes B, consecutive steps per timed row, steps of the exactness run,
     # and the wall-clock budget after which the remaining rows are skipped (reported)
     batches: Tuple[int, ...] = ()

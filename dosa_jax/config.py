@@ -58,6 +58,14 @@ class Config:
         ``anchor_stride`` queries (DESIGN §3: a neighbouring query's selection,
         rescored for the current query). Neighbouring queries share most winners,
         so τ rises towards τ*; any ids are safe (distinct visible keys only count).
+      block_witnesses: if > 0 (a multiple of ``witness_block``), that many extra witnesses
+        per query for τ: every key of the ``block_witnesses / witness_block`` key blocks
+        (``witness_block`` consecutive keys each, visible to the query) whose mean key
+        scores highest for the query, ranked by the backend's dense path over the
+        N / ``witness_block`` block means (:func:`dosa_jax.witnesses.block_witnesses`).
+        The winners of a query cluster in few blocks, so τ rises towards τ* where the
+        local window does not hold them; any ids are safe (the answer never changes).
+      witness_block: keys per block of ``block_witnesses``.
       positive_residual: ``triangle`` (Eq. 6), ``joint`` (Eq. 7), ``grouped``
         (App. A.1) or ``best`` (the minimum of them).
       residual_groups: coordinate groups for ``grouped``/``best``.
@@ -104,6 +112,8 @@ class Config:
     guided_witnesses: int = 0
     guided_sample: int = 8192
     anchor_stride: int = 0
+    block_witnesses: int = 0
+    witness_block: int = 64
     positive_residual: str = "best"
     residual_groups: int = 4
     positive_projection: bool = True
@@ -148,10 +158,14 @@ class Config:
         if sc is not None and (isinstance(sc, bool) or not isinstance(sc, (int, float))
                                or not sc > 0 or sc == float("inf")):
             bad("survivor_cost", "must be None or a finite number > 0")
-        for name in ("guided_witnesses", "guided_sample", "anchor_stride"):
+        for name in ("guided_witnesses", "guided_sample", "anchor_stride", "block_witnesses",
+                     "witness_block"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 0 or (name == "guided_sample" and v < 1):
-                bad(name, "must be a non-negative int (guided_sample >= 1)")
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0 or (
+                    name in ("guided_sample", "witness_block") and v < 1):
+                bad(name, "must be a non-negative int (guided_sample, witness_block >= 1)")
+        if self.block_witnesses % self.witness_block:
+            bad("block_witnesses", f"must be a multiple of witness_block ({self.witness_block})")
         if not isinstance(self.sink_size, int) or self.sink_size < 0:
             bad("sink_size", "must be an int >= 0")
         if not 0.0 <= self.local_fraction <= 1.0:

@@ -296,14 +296,17 @@ def dosa_topk_reference(q, k, w, k_scale, lo, hi, config, *, hint=None, tau_floo
 
     ``hint`` [T, M] are the caller's witness ids; with ``config.anchor_stride`` the anchor
     queries are answered first by :func:`dosa_jax.dense.dense_topk_reference` and their
-    Top-K ids join the witnesses (:mod:`dosa_jax.witnesses`). ``tau_floor`` [T] float32
+    Top-K ids join the witnesses, with ``config.block_witnesses`` the keys of each query's
+    best-ranked key blocks (:mod:`dosa_jax.witnesses`). ``tau_floor`` [T] float32
     (optional) is a lower bound on each query's τ* from elsewhere (keys on other devices):
     the threshold starts at max(seed τ, floor), so the answer is then the exact Top-K of
     the seeds and the keys scoring ≥ floor (every key of the true Top-K of a larger key
     set that includes these keys, when floor ≤ its τ*).
     """
     anchors = witnesses.anchor_topk(dense_topk_reference, q, k, w, k_scale, lo, hi, config)
-    hint = witnesses.per_query_witnesses(anchors, config.anchors(q.shape[0]), q.shape[0], hint)
+    blocks = witnesses.block_witnesses(dense_topk_reference, q, k, w, k_scale, lo, hi, config)
+    hint = witnesses.per_query_witnesses(anchors, config.anchors(q.shape[0]), q.shape[0], hint,
+                                         blocks)
     keys = prepare_keys(k, k_scale, config.key_block)
     N = k.shape[0]
     extras = tuple(x for x in (hint, tau_floor) if x is not None)

@@ -23,7 +23,8 @@ def tables(tmp_path_factory):
     """Each preset run once, in one process (the quick presets share a config and shapes, so
     DoSA and the dense scan compile once)."""
     out = str(tmp_path_factory.mktemp("bench"))
-    return out, {name: entry.run([name, "--quick", "--out", out])
+    variant = {"matrix": ["--block-witnesses", "128"]}     # the matrix's witness variant too
+    return out, {name: entry.run([name, "--quick", "--out", out] + variant.get(name, []))
                  for name in ("headline", "matrix", "kernels", "select")}
 
 
@@ -56,9 +57,11 @@ def test_matrix_geometric_mean_from_its_rows(tables):
     (label, got), = [(k, v) for k, v in tab.summary().items() if k.startswith("geometric mean")]
     assert got == pytest.approx(expected, rel=1e-12)
     assert f"({len(ratios)} cases)" in label
+    assert {"blockwit_ms", "dense_over_blockwit", "blockwit_survival"} <= set(_columns(tab))
     for r in tab.rows:
         assert set(_columns(tab)) <= set(r), set(_columns(tab)) - set(r)
-        assert r["dosa_eq_dense"] is True
+        assert r["dosa_eq_dense"] is True       # every variant's answer too
+        assert 0 < r["blockwit_survival"] <= 1
         assert r["bound_queries"] == p.bound_queries
         # the bound's floor at τ* never exceeds survival at τ ≤ τ* on the same keys
         assert 0 <= r["survival_sub_tau_star"] <= r["survival_sub_tau"] <= 1
@@ -115,6 +118,8 @@ def test_options_parse_and_name_the_bad_argument():
         entry.parse_cases("H16", m)
     with pytest.raises(SystemExit):
         entry.run(["nonsense"])    # not a preset
+    with pytest.raises(SystemExit):
+        entry.run(["matrix", "--quick", "--block-witnesses", "100"])   # not a multiple of 64
 
 
 def test_tile_specs_parse_seeds_and_anchors():

@@ -443,6 +443,31 @@ def test_anchor_and_hint_witnesses_keep_dosa_equal_to_dense():
                                   np.asarray(dsc)[::4, -1][anchors])
 
 
+def test_block_witnesses_keep_dosa_equal_to_dense():
+    """Block witnesses on the kernels (the block means ranked by the dense kernel, a group
+    of 4 taking its queries' union): DoSA == dense bitwise, τ never below the seeds' τ
+    without them, raised on some query; the ranked blocks are the reference ranking's
+    wherever the two scorers' block-mean scores are not within rounding of each other."""
+    from dosa_jax import witnesses
+    from dosa_jax.dense import dense_topk_reference
+    inp = _bitwise_inputs()
+    args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)
+    cfg = BITWISE_CFG.replace(block_witnesses=128, witness_block=32)
+    didx, dsc = pipeline.dense_topk(*args, BITWISE_CFG, tiles=TILES_KC, splits=2)
+    _, _, st0 = pipeline.dosa_topk(*args, BITWISE_CFG, tiles=TILES_KC, splits=2)
+    idx, sc, st = pipeline.dosa_topk(*args, cfg, tiles=TILES_KC, splits=2)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(didx))
+    np.testing.assert_array_equal(np.asarray(sc), np.asarray(dsc))
+    ok = np.asarray(st.pruning) & np.asarray(st0.pruning)
+    t0, t1 = np.asarray(st0.tau_seed)[ok], np.asarray(st.tau_seed)[ok]
+    assert ok.sum() >= 6 and np.all(t1 >= t0) and np.any(t1 > t0 + 1e-3)
+    got = pipeline.block_witnesses(*args, cfg, tiles=TILES_KC)
+    want = witnesses.block_witnesses(dense_topk_reference, *args, cfg)
+    same = np.mean([set(a.tolist()) == set(b.tolist()) for a, b in zip(np.asarray(got),
+                                                                         np.asarray(want))])
+    assert got.shape == (8, 128) and same >= 0.75, same
+
+
 def test_group_witnesses_follow_their_queries():
     """Anchor Top-K rows go to the groups whose first query they precede (stride not a multiple
     of 4 included); hints are unioned per group without repeats."""
