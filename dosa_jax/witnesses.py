@@ -46,32 +46,47 @@ def block_means(k, k_scale, block: int):
     return jnp.sum(kf, axis=1) / count[:, None]
 
 
-def block_witnesses(dense_topk, q, k, w, k_scale, lo, hi, config):
-    """Witness ids [T, W] of each query: every key of its W / B best blocks (W =
-    ``config.block_witnesses``, B = ``config.witness_block``), ranked by the score of the
+def best_blocks(dense_topk, q, k, w, k_scale, lo, hi, config):
+    """Block ids [T, m] of each query's m = W / B best blocks (W = ``config.block_witnesses``,
+    B = ``config.witness_block``, m at most the ⌈N / B⌉ blocks), ranked by the score of the
     block's mean key (:func:`block_means`) among the blocks that meet the query's range
-    [lo, hi); −1 past the last key and where fewer blocks are visible. The ranking is
-    ``dense_topk(q, means, w, None, lo_b, hi_b, config) -> (indices, scores)``, the
-    backend's dense path over the means (bf16 for bf16 or FP8 keys, float32 for float32
-    keys). None when ``block_witnesses`` is 0."""
+    [lo, hi); −1 where fewer blocks are visible. The ranking is ``dense_topk(q, means, w,
+    None, lo_b, hi_b, config) -> (indices, scores)``, the backend's dense path over the
+    means (bf16 for bf16 or FP8 keys, float32 for float32 keys). None when
+    ``block_witnesses`` is 0."""
     W, B = config.block_witnesses, config.witness_block
     if not W:
         return None
-    T, N = q.shape[0], k.shape[0]
+    N = k.shape[0]
     nb = -(-N // B)
-    m = min(W // B, nb)
     means = block_means(k, k_scale, B)
     means = means if k.dtype == jnp.float32 else means.astype(jnp.bfloat16)
     lo = lo.astype(jnp.int32)
     hi = hi.astype(jnp.int32)
     lo_b = jnp.minimum(lo // B, nb)
     hi_b = jnp.where(hi > lo, (hi + B - 1) // B, lo_b)      # the blocks meeting [lo, hi)
-    ranked = config.replace(top_k=m, anchor_stride=0, block_witnesses=0, guided_witnesses=0)
-    blocks = dense_topk(q, means, w, None, lo_b, hi_b, ranked)[0]        # [T, m]
-    ids = blocks[:, :, None] * B + jnp.arange(B, dtype=jnp.int32)
-    ids = jnp.where((blocks[:, :, None] >= 0) & (ids < N), ids, -1)
-    ids = ids.reshape(T, m * B)
-    return jnp.pad(ids, ((0, 0), (0, W - m * B)), constant_values=-1)
+    ranked = config.replace(top_k=min(W // B, nb), anchor_stride=0, block_witnesses=0,
+                            guided_witnesses=0)
+    return dense_topk(q, means, w, None, lo_b, hi_b, ranked)[0]
+
+
+def block_key_ids(blocks, block: int, N: int):
+    """Every key id of the blocks [R, m] (−1 for none), [R, m·block]: −1 for a −1 block and
+    past the last key."""
+    ids = blocks[..., None] * block + jnp.arange(block, dtype=jnp.int32)
+    ids = jnp.where((blocks[..., None] >= 0) & (ids < N), ids, -1)
+    return ids.reshape(blocks.shape[:-1] + (blocks.shape[-1] * block,))
+
+
+def block_witnesses(dense_topk, q, k, w, k_scale, lo, hi, config):
+    """Witness ids [T, W] of each query: every key of its :func:`best_blocks` (−1 past the
+    last key and where fewer blocks are visible). None when ``block_witnesses`` is 0."""
+    blocks = best_blocks(dense_topk, q, k, w, k_scale, lo, hi, config)
+    if blocks is None:
+        return None
+    ids = block_key_ids(blocks, config.witness_block, k.shape[0])
+    return jnp.pad(ids, ((0, 0), (0, config.block_witnesses - ids.shape[1])),
+                   constant_values=-1)
 
 
 def per_query_witnesses(anchor_ids, stride: int, T: int, hint=None, block_ids=None):

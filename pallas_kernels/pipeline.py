@@ -303,7 +303,7 @@ def dosa_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), split
     them in one scan, before the waves) and their Top-K ids join the witnesses
     (:func:`anchor_topk`, :func:`pallas_kernels.seeds.group_witnesses`); with
     ``config.block_witnesses`` each query's best-ranked key blocks join them
-    (:func:`block_witnesses`; a group of 4 takes its queries' union).
+    (:func:`best_blocks`; a group of 4 takes the keys of its queries' union of blocks).
 
     ``tau_floor`` [T] float32 (optional): a lower bound on each query's τ* from elsewhere
     (keys on other devices): every threshold — the screen's τ, the refinement's and the
@@ -369,10 +369,9 @@ def _call_setup(q, k, w, k_scale, lo, hi, config, tiles, interpret, hint):
     Top-K), the key-side operands (once per call) and the int32 ranges."""
     T = q.shape[0]
     anchors = anchor_topk(q, k, w, k_scale, lo, hi, config, tiles=tiles, interpret=interpret)
-    blocks = block_witnesses(q, k, w, k_scale, lo, hi, config, tiles=tiles, interpret=interpret)
-    if blocks is not None:
-        hint = blocks if hint is None else jnp.concatenate([blocks, hint.astype(jnp.int32)], 1)
-    wit = group_witnesses(round_up_to(T, 4), hint, anchors, config.anchors(T))
+    blocks = best_blocks(q, k, w, k_scale, lo, hi, config, tiles=tiles, interpret=interpret)
+    wit = group_witnesses(round_up_to(T, 4), hint, anchors, config.anchors(T), blocks=blocks,
+                          block=config.witness_block, n_keys=k.shape[0])
     keyside = key_side(k, k_scale, tiles)   # once per call, outside the waves' loop
     return wit, keyside, lo.astype(jnp.int32), hi.astype(jnp.int32)
 
@@ -592,13 +591,13 @@ def anchor_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, interpret=Non
     return witnesses_mod.anchor_topk(dense, q, k, w, k_scale, lo, hi, config)
 
 
-def block_witnesses(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, interpret=None):
-    """Block witness ids [T, W] (:func:`dosa_jax.witnesses.block_witnesses`), the block
-    means ranked by the dense kernel; None when ``config.block_witnesses`` is 0."""
+def best_blocks(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, interpret=None):
+    """Each query's best key blocks [T, m] (:func:`dosa_jax.witnesses.best_blocks`), the
+    block means ranked by the dense kernel; None when ``config.block_witnesses`` is 0."""
     if not config.block_witnesses:
         return None
     dense = lambda *a: dense_mod.dense_topk(*a, tiles=tiles, interpret=interpret)
-    return witnesses_mod.block_witnesses(dense, q, k, w, k_scale, lo, hi, config)
+    return witnesses_mod.best_blocks(dense, q, k, w, k_scale, lo, hi, config)
 
 
 class KeySide(NamedTuple):

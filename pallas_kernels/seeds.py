@@ -37,6 +37,7 @@ from jax.experimental import pallas as pl
 from dosa_jax.seeds import distinct_visible
 from dosa_jax.selection import INT32_MIN, order_key
 from dosa_jax.tiling import round_up_to
+from dosa_jax.witnesses import block_key_ids
 from pallas_kernels import records as rec
 from pallas_kernels.common import (ID_BITS, THETA_NONE, cdiv, compiler_params, group_ranges,
                                    interpret_default,
@@ -166,15 +167,23 @@ def distinct_rows(ids: Array) -> Array:
     return jnp.where(first, ids, -1)
 
 
-def group_witnesses(Tpad: int, hint=None, anchor_topk=None, anchor_stride: int = 0):
+def group_witnesses(Tpad: int, hint=None, anchor_topk=None, anchor_stride: int = 0, *,
+                    blocks=None, block: int = 0, n_keys: int = 0):
     """Witness ids of each group of 4 queries ([G4, W], distinct per row, −1 for none).
 
     ``anchor_topk`` [A, K]: the exact Top-K of queries 0, s, 2s, … (s = anchor_stride);
     a group takes its first query's anchor (an anchor at or before every query of the
     group). ``hint`` [T, M]: user witnesses; a group takes the union of its queries'.
+    ``blocks`` [T, m]: each query's best key blocks of ``block`` keys
+    (:func:`dosa_jax.witnesses.best_blocks`, −1 for none) over ``n_keys`` keys; a group
+    takes every key of its queries' union of blocks (the union taken over block ids).
     """
     G4 = Tpad // 4
     parts = []
+    if blocks is not None:
+        b = jnp.pad(blocks.astype(jnp.int32), ((0, Tpad - blocks.shape[0]), (0, 0)),
+                    constant_values=-1)
+        parts.append(block_key_ids(distinct_rows(b.reshape(G4, -1)), block, n_keys))
     if anchor_topk is not None:
         a = jnp.minimum(jnp.arange(G4) * 4 // anchor_stride, anchor_topk.shape[0] - 1)
         parts.append(anchor_topk[a])
@@ -184,8 +193,8 @@ def group_witnesses(Tpad: int, hint=None, anchor_topk=None, anchor_stride: int =
         parts.append(h.reshape(G4, -1))
     if not parts:
         return None
-    if hint is None:
-        return parts[0]          # one query's Top-K: distinct already
+    if len(parts) == 1 and hint is None:
+        return parts[0]          # one query's Top-K, or one union of blocks: distinct already
     return distinct_rows(jnp.concatenate(parts, axis=1))
 
 
