@@ -3,10 +3,11 @@
 #
 #   bash benchmarks/gpu.sh [STAGE ...]      (default: tests headline matrix)
 #
-# Stages: tests | headline | matrix | matrix1m | matrix1m64 | matrix128k | kernels | select |
+# Stages: tests | headline | matrix | matrix1m | matrix1m_bw | matrix1m64 | matrix128k | kernels | select |
 # agreement | context_parallel (CP_ARGS adds options, e.g. --queries 4096) |
 # decode | decode32 | decode64 (decode: every row within its time budget; decode32/64: one H each)
-# (matrix1m: the H = 32 cases at N = 1M; matrix1m64: the H = 64 cases; matrix128k: all 16 at
+# (matrix1m: the H = 32 cases at N = 1M; matrix1m_bw: the same with the block-witness
+# variant, BLOCK_WITNESSES=W (default 4096); matrix1m64: the H = 64 cases; matrix128k: all 16 at
 # N = 128K; matrix: everything, longer than one 10-minute device call). Each stage
 # runs under its own timeout (seconds; TESTS_TIMEOUT, HEADLINE_TIMEOUT, MATRIX_TIMEOUT) so a
 # slow stage leaves the others' results. Files written to $OUT (few, for a remote runner that
@@ -44,6 +45,8 @@ for s in $stages; do
     matrix) run matrix "${MATRIX_TIMEOUT:-580}" python -m benchmarks matrix --out "$OUT" $MATRIX_ARGS ;;
     matrix1m) run matrix1m "${MATRIX_TIMEOUT:-580}" python -m benchmarks matrix --N 1m --cases H32 \
       --tag 1m_h32 --out "$OUT" $MATRIX_ARGS ;;
+    matrix1m_bw) run matrix1m_bw "${MATRIX_TIMEOUT:-580}" python -m benchmarks matrix --N 1m \
+      --cases H32 --tag 1m_h32_bw --block-witnesses "${BLOCK_WITNESSES:-4096}" --out "$OUT" $MATRIX_ARGS ;;
     matrix1m64) run matrix1m64 "${MATRIX_TIMEOUT:-580}" python -m benchmarks matrix --N 1m \
       --cases H64 --tag 1m_h64 --out "$OUT" $MATRIX_ARGS ;;
     matrix128k) run matrix128k "${MATRIX_TIMEOUT:-580}" python -m benchmarks matrix --N 128k \
@@ -58,7 +61,7 @@ for s in $stages; do
       --tag h32 --out "$OUT" ;;
     decode64) run decode64 "${DECODE_TIMEOUT:-580}" python -m benchmarks decode --cases H64 \
       --tag h64 --out "$OUT" ;;
-    *) echo "gpu.sh: unknown stage $s (tests headline matrix matrix1m matrix1m64 matrix128k kernels select agreement context_parallel decode decode32 decode64)" >&2
+    *) echo "gpu.sh: unknown stage $s (tests headline matrix matrix1m matrix1m_bw matrix1m64 matrix128k kernels select agreement context_parallel decode decode32 decode64)" >&2
        exit 2 ;;
   esac
 done
