@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="retained-head budget r in [1, H-1], or 'auto' (per query, Eq. 18-21)")
     p.add_argument("--seed-strategy", choices=SEED_STRATEGIES, default="union",
                    help="which keys give the seed threshold τ (Eq. 2)")
+    p.add_argument("--block-witnesses", type=nonnegative_int, default=0, metavar="W",
+                   help="extra witnesses for τ per query: the keys of its W/64 best blocks of "
+                        "64 keys, ranked by their mean key's score (a multiple of 64; 0: off)")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="auto: Pallas kernels on a GPU, the pure-jnp reference elsewhere")
     p.add_argument("--seed", type=nonnegative_int, default=0,
@@ -138,6 +141,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.retained != "auto" and not 1 <= args.retained <= args.H - 1:
         parser.error(f"--retained must be 'auto' or in [1, H-1] = [1, {args.H - 1}], "
                      f"got {args.retained}")
+    if args.block_witnesses % 64:
+        parser.error(f"--block-witnesses must be a multiple of 64 (the block size), "
+                     f"got {args.block_witnesses}")
     return args
 
 
@@ -231,7 +237,8 @@ def main(argv=None) -> int:
     T, H, D = inp.q.shape
     N = inp.k.shape[0]
     cfg = dosa_jax.Config(top_k=args.K, retained_heads=args.retained,
-                          seed_strategy=args.seed_strategy, backend=args.backend)
+                          seed_strategy=args.seed_strategy, backend=args.backend,
+                          block_witnesses=args.block_witnesses)
     log.info("data: %s (%s)  T=%d N=%d H=%d D=%d K=%d keys=%s%s", inp.meta.get("kind", args.data),
              inp.meta.get("source", "generated"), T, N, H, D, args.K, inp.k.dtype,
              " +scale" if inp.k_scale is not None else "")

@@ -78,6 +78,8 @@ class ArgumentErrorTest(parameterized.TestCase):
         ("bad_layer", ["--layer", "7"], "--layer"),
         ("negative_seed", ["--data", "gaussian", "--seed", "-1"], "--seed"),
         ("abbreviation", ["--ret", "4"], "--ret"),
+        ("witnesses_not_blocks", ["--block-witnesses", "100"], "--block-witnesses"),
+        ("negative_witnesses", ["--block-witnesses", "-64"], "--block-witnesses"),
     )
     def test_refused_with_status_2_naming_the_option(self, argv, option):
         status, err = run_main(argv)
@@ -89,6 +91,7 @@ class ArgumentErrorTest(parameterized.TestCase):
         (["--N", "1024", "--key-dtype", "bfloat16"], dict(N=1024, key_dtype="bfloat16")),
         (["--data", "gaussian", "--D=64", "--seed", "5"], dict(D=64, seed=5)),
         (["--retained", "31"], dict(retained=31)),
+        (["--block-witnesses", "4096"], dict(block_witnesses=4096)),
         (["--data", "structured", "--H", "8", "--retained", "7", "--backend", "reference"],
          dict(H=8, retained=7, backend="reference")),
     )
