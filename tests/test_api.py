@@ -202,6 +202,12 @@ def test_block_witnesses_reference_backend():
         blocks = ids[t].reshape(3, 16)
         assert np.all(blocks == blocks[:, :1] + np.arange(16))             # whole blocks
         assert sorted((blocks[:, 0] // 16).tolist()) == sorted(want), t
+    # the witnesses move τ only: the selected scores' gradients are the plain call's
+    loss = lambda c: lambda q, w: dosa_jax.topk(q, x.k, w, config=c).scores.sum()
+    for a, b in zip(jax.grad(loss(wcfg), argnums=(0, 1))(x.q, x.w),
+                    jax.grad(loss(cfg), argnums=(0, 1))(x.q, x.w)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert float(jnp.max(jnp.abs(a))) > 0
     with pytest.raises(ValueError, match="block_witnesses"):
         cfg.replace(block_witnesses=40, witness_block=16)
     with pytest.raises(ValueError, match="witness_block"):
