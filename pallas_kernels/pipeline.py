@@ -50,7 +50,7 @@ from pallas_kernels import dense as dense_mod
 from pallas_kernels import numerics as knum
 from pallas_kernels import records as rec
 from pallas_kernels.common import MAX_KEYS, THETA_NONE, group_ranges, next_pow2
-from pallas_kernels.operands import Candidates, capacity_for, prepare_key_operands, prepare_operands
+from pallas_kernels.operands import capacity_for, prepare_key_operands, prepare_operands
 from pallas_kernels.refine import refine
 from pallas_kernels.screen import (Survivors, aggregate_column_count, aggregate_columns,
                                    can_pack, compact_masks, prepare_screen, screen_masks,
@@ -432,26 +432,60 @@ def predicted_call_terms(q, k, w, k_scale, lo, hi, config, *, witnesses, tau_flo
 
 def _dense_pass(idx, sc, stats, direct, theta, q, w, k, k_scale, lo, hi, *, K: int,
                 tiles: Tiles, interpret, keyside: "KeySide"):
-    """Answer the queries of ``direct`` groups by one dense scan over the whole call from their
-    θ₀ (every group's programs at once; the other groups' ranges are empty), exact."""
+    """Answer the queries of ``direct`` groups by the dense scan over the whole call from their
+    θ₀ (:func:`dense_rows`), exact."""
+    idx, sc, records = dense_rows(direct, theta, idx, sc, stats.records, q, w, k, k_scale, lo, hi,
+                                  K=K, tiles=tiles, interpret=interpret, keyside=keyside)
+    return idx, sc, stats._replace(
+        records=records, tau_final=jnp.where(idx[:, K - 1] >= 0, sc[:, K - 1], -jnp.inf))
 
-    def run(args):
-        idx, sc, stats = args
-        ops = prepare_operands(q, w, k, k_scale, tiles.BQ, layout=tiles.layout,
+
+#: Groups of 4 queries per dense scan of :func:`dense_rows`: few enough that the scan splits
+#: the keys finely (:func:`pallas_kernels.dense.default_splits`: 33 splits for 16 groups), so a
+#: handful of recovered groups is not one long program per group over every key.
+DENSE_ROW_GROUPS = 16
+
+
+def dense_rows(rows, theta, idx, sc, records, q, w, k, k_scale, lo, hi, *, K: int, tiles: Tiles,
+               interpret, keyside: "KeySide", chunk_groups: int = DENSE_ROW_GROUPS):
+    """The rows ``rows`` [T] bool (whole groups of 4) of (idx, sc, records) replaced by the
+    dense scan's exact Top-K from θ₀ = ``theta`` [T] (order keys, each a lower bound on the
+    query's τ* or ``THETA_NONE``) and its record counts; the other rows unchanged.
+
+    The chosen groups are gathered ``chunk_groups`` at a time and each chunk is one dense
+    scan of its few queries with the keys split over many programs, so the time follows the
+    number of chosen groups (a loop of ⌈groups / chunk⌉ scans, none when no row is chosen)
+    instead of one program per group walking all N keys.
+    """
+    T = q.shape[0]
+    Tp = round_up_to(T, 4)
+    G4 = Tp // 4
+    R = max(1, min(chunk_groups, G4))
+    rows = rows.astype(bool)
+    rows_g = jnp.any(jnp.pad(rows, (0, Tp - T)).reshape(G4, 4), axis=1)
+    n_chunks = -(-G4 // R)
+    order = jnp.nonzero(rows_g, size=n_chunks * R, fill_value=G4)[0].astype(jnp.int32)
+    todo = (jnp.sum(rows_g.astype(jnp.int32)) + R - 1) // R
+    lanes = jnp.arange(4, dtype=jnp.int32)
+
+    def chunk(i, carry):
+        idx, sc, records = carry
+        g = lax.dynamic_slice(order, (i * R,), (R,))
+        qi = (g[:, None] * 4 + lanes[None, :]).reshape(-1)
+        qc = jnp.minimum(qi, T - 1)
+        valid = (qi < T) & rows[qc]
+        ops = prepare_operands(q[qc], w[qc], k, k_scale, tiles.BQ, layout=tiles.layout,
                                widen_fp8=tiles.widen_fp8, lane_sums=tiles.lane_sums,
                                keys=keyside.operands)
         d_idx, d_sc, cand = dense_mod.topk_from_operands(
-            ops, jnp.where(direct, lo, 0), jnp.where(direct, hi, 0), theta, K, tiles=tiles,
-            interpret=interpret, return_candidates=True)
-        sel = direct[:, None]
-        idx = jnp.where(sel, d_idx, idx)
-        sc = jnp.where(sel, d_sc, sc)
-        records = jnp.sum(cand.appended[:q.shape[0]], axis=1)
-        stats = stats._replace(records=jnp.where(direct, records, stats.records),
-                               tau_final=jnp.where(idx[:, K - 1] >= 0, sc[:, K - 1], -jnp.inf))
-        return idx, sc, stats
+            ops, jnp.where(valid, lo[qc], 0), jnp.where(valid, hi[qc], 0), theta[qc], K,
+            tiles=tiles, interpret=interpret, return_candidates=True)
+        at = jnp.where(valid, qc, T)          # rows not chosen: dropped
+        n = jnp.sum(cand.appended[:4 * R], axis=1).astype(records.dtype)
+        return (idx.at[at].set(d_idx, mode="drop"), sc.at[at].set(d_sc, mode="drop"),
+                records.at[at].set(n, mode="drop"))
 
-    return lax.cond(jnp.any(direct), run, lambda a: a, (idx, sc, stats))
+    return lax.fori_loop(0, todo, chunk, (idx, sc, records))
 
 
 def _dense_call(q, w, k, k_scale, lo, hi, config, *, tiles: Tiles, interpret, keyside: "KeySide",
@@ -717,35 +751,24 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     if stop_after == "refine":
         return dict(tau=tau, count=cand.count[:T], key=cand.key[:T])
 
-    # 5. recovery: overflowed and direct groups are scanned densely from θ₀ = τ (exact, counted);
-    # with ``defer_direct`` the direct groups are left to the caller's one dense pass over the
-    # whole call (a wave's few direct groups would occupy the GPU poorly)
+    # 5. exact selection of the records; then recovery: overflowed (and, without
+    # ``defer_direct``, direct) groups are answered by the dense scan from θ₀ = τ (exact,
+    # counted); with ``defer_direct`` the direct groups are left to the caller's one dense
+    # pass over the whole call
     overflow = jnp.repeat(overflow_g, 4)[:T]
     recover = overflow if defer_direct else overflow | direct
-
-    def recover_fn(c):
-        rlo = jnp.where(recover, lo, 0)
-        rhi = jnp.where(recover, hi, 0)
-        # as many record buffers as the refinement's (its splits cut into slices)
-        d = dense_mod.dense_candidates(ops, rlo, rhi, theta_tau, K, splits=c.count.shape[1],
-                                       capacity=C, tiles=tiles, interpret=interpret)
-        sel = recover[:, None, None]
-        return Candidates(jnp.where(sel, d.key, c.key), jnp.where(sel, d.ids, c.ids),
-                              jnp.where(recover[:, None], d.count, c.count),
-                              jnp.where(recover[:, None], d.theta, c.theta),
-                              jnp.where(recover[:, None], d.appended, c.appended))
-
-    cand = lax.cond(jnp.any(recover), recover_fn, lambda c: c, cand)
-
-    # 6. exact selection
     idx, sc = rec.select_from_records(cand.key, cand.ids, cand.count, K)
+    idx, sc, n_records = dense_rows(recover, theta_tau, idx, sc, jnp.sum(cand.appended, axis=1),
+                                    q, w, k, k_scale, lo, hi, K=K, tiles=tiles,
+                                    interpret=interpret, keyside=keyside)
+
     n_vis = hi - lo
     kth = idx[:, K - 1] >= 0
     rint = (recover | direct).astype(jnp.int32)
     survivors = jnp.sum(surv.per_query, axis=1)
     stats = Stats(visible=n_vis, seeds=n_seeds[:T], screened=n_vis,
                   survivors=jnp.where(recover | direct, n_vis, survivors),
-                  records=jnp.sum(cand.appended, axis=1), rounds=1 + rint,
+                  records=n_records, rounds=1 + rint,
                   overflows=overflow.astype(jnp.int32), recoveries=rint, pruning=prune,
                   budget=budget,
                   tau_seed=jnp.where(prune, tau, -jnp.inf),

@@ -167,6 +167,30 @@ def distinct_rows(ids: Array) -> Array:
     return jnp.where(first, ids, -1)
 
 
+#: A group of 4 keeps at most this many times one query's m best blocks (:func:`group_blocks`).
+GROUP_BLOCK_SHARE = 2
+
+
+def group_blocks(blocks: Array, Tpad: int, share: int = GROUP_BLOCK_SHARE) -> Array:
+    """Each group of 4 queries' blocks [Tpad / 4, share·m] (−1 for none) from the queries'
+    best blocks ``blocks`` [T, m] (best first, −1 for none): the distinct blocks of the
+    rank-interleaved sequence (the 4 queries' best, then their second best, …), first
+    occurrences in that order, cut after ``share``·m.
+
+    Neighbouring queries rank mostly the same blocks, so the cut drops only the tail of
+    rarely shared low-ranked blocks; it keeps the seed rows short (the seed kernel scores
+    every slot, and rows up to :data:`KTH_MAX_ROW` have their K-th found in registers).
+    Dropping a witness moves τ, never the answer.
+    """
+    G4 = Tpad // 4
+    m = blocks.shape[1]
+    b = jnp.pad(blocks.astype(jnp.int32), ((0, Tpad - blocks.shape[0]), (0, 0)),
+                constant_values=-1)
+    ranked = b.reshape(G4, 4, m).transpose(0, 2, 1).reshape(G4, 4 * m)
+    u = distinct_rows(ranked)
+    return compact_front(u, u >= 0)[:, :min(share * m, 4 * m)]
+
+
 def group_witnesses(Tpad: int, hint=None, anchor_topk=None, anchor_stride: int = 0, *,
                     blocks=None, block: int = 0, n_keys: int = 0):
     """Witness ids of each group of 4 queries ([G4, W], distinct per row, −1 for none).
@@ -176,14 +200,12 @@ def group_witnesses(Tpad: int, hint=None, anchor_topk=None, anchor_stride: int =
     group). ``hint`` [T, M]: user witnesses; a group takes the union of its queries'.
     ``blocks`` [T, m]: each query's best key blocks of ``block`` keys
     (:func:`dosa_jax.witnesses.best_blocks`, −1 for none) over ``n_keys`` keys; a group
-    takes every key of its queries' union of blocks (the union taken over block ids).
+    takes every key of its :func:`group_blocks`.
     """
     G4 = Tpad // 4
     parts = []
     if blocks is not None:
-        b = jnp.pad(blocks.astype(jnp.int32), ((0, Tpad - blocks.shape[0]), (0, 0)),
-                    constant_values=-1)
-        parts.append(block_key_ids(distinct_rows(b.reshape(G4, -1)), block, n_keys))
+        parts.append(block_key_ids(group_blocks(blocks, Tpad), block, n_keys))
     if anchor_topk is not None:
         a = jnp.minimum(jnp.arange(G4) * 4 // anchor_stride, anchor_topk.shape[0] - 1)
         parts.append(anchor_topk[a])

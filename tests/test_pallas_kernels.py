@@ -466,13 +466,62 @@ def test_block_witnesses_keep_dosa_equal_to_dense():
     same = np.mean([set(a.tolist()) == set(b.tolist()) for a, b in zip(np.asarray(got),
                                                                          np.asarray(want))])
     assert got.shape == (8, 4) and same >= 0.75, same
-    # a group's witnesses: every key of its queries' union of blocks, each once
-    from pallas_kernels.seeds import group_witnesses
+    # a group's witnesses: every key of its group_blocks, each once
+    from pallas_kernels.seeds import group_blocks, group_witnesses
     wit = np.asarray(group_witnesses(8, blocks=got, block=32, n_keys=1500))
+    gb = np.asarray(group_blocks(got, 8))
     for g in range(2):
-        union = {int(b) for b in np.asarray(got)[4 * g:4 * g + 4].ravel() if b >= 0}
-        keys = sorted(i for b in union for i in range(32 * b, min(32 * b + 32, 1500)))
+        keys = sorted(i for b in gb[g] if b >= 0 for i in range(32 * b, min(32 * b + 32, 1500)))
         assert sorted(int(i) for i in wit[g] if i >= 0) == keys
+
+
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_dense_rows_replace_only_the_chosen_groups(chunk):
+    """The chosen groups' rows (gathered ``chunk`` groups per dense scan, some chunks partly
+    empty, a ragged last group) are the dense Top-K from θ₀ with their record counts; the
+    other rows are left as they were."""
+    inp = synthetic.structured(T=22, N=900, H=4, D=32, seed=5, key_dtype="float8_e4m3fn",
+                               query_dtype="bfloat16")
+    cfg = Config(top_k=16)
+    args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)
+    didx, dsc = pipeline.dense_topk(*args, cfg, tiles=TILES, splits=2)
+    T, K = 22, 16
+    rows = np.zeros(T, bool)
+    rows[[0, 1, 2, 3, 8, 9, 10, 11, 20, 21]] = True           # groups 0, 2 and the ragged 5
+    idx0 = jnp.full((T, K), 7, jnp.int32)
+    sc0 = jnp.full((T, K), 0.5, jnp.float32)
+    rec0 = jnp.full((T,), -3, jnp.int32)
+    theta = jnp.full((T,), pipeline.THETA_NONE, jnp.int32)
+    keyside = pipeline.key_side(inp.k, inp.k_scale, TILES)
+    idx, sc, n = jax.jit(lambda *a: pipeline.dense_rows(
+        jnp.asarray(rows), theta, idx0, sc0, rec0, *a, K=K, tiles=TILES, interpret=None,
+        keyside=keyside, chunk_groups=chunk))(inp.q, inp.w, inp.k, inp.k_scale, inp.lo, inp.hi)
+    idx, sc, n = np.asarray(idx), np.asarray(sc), np.asarray(n)
+    np.testing.assert_array_equal(idx[rows], np.asarray(didx)[rows])
+    np.testing.assert_array_equal(sc[rows], np.asarray(dsc)[rows])
+    assert np.all(idx[~rows] == 7) and np.all(sc[~rows] == 0.5) and np.all(n[~rows] == -3)
+    assert np.all(n[rows] >= K)          # every visible key scanned from no threshold
+    # nothing chosen: nothing scanned, nothing changed
+    same = pipeline.dense_rows(jnp.zeros(T, bool), theta, idx0, sc0, rec0, inp.q, inp.w, inp.k,
+                               inp.k_scale, inp.lo, inp.hi, K=K, tiles=TILES, interpret=None,
+                               keyside=keyside, chunk_groups=chunk)
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(same, (idx0, sc0, rec0)))
+
+
+def test_group_blocks_keep_the_best_ranks_first():
+    """A group's blocks: distinct, rank-interleaved over its 4 queries, cut at twice one
+    query's count; −1 blocks and padded queries add nothing."""
+    from pallas_kernels.seeds import group_blocks
+    blocks = np.array([[5, 1, 9], [5, 2, 8], [6, 1, -1], [7, 3, 4],
+                       [0, 1, 2], [0, 1, 2], [-1, -1, -1], [2, 0, 1],
+                       [11, 12, 13]], np.int32)            # 9 queries: 3 groups, the last padded
+    got = np.asarray(group_blocks(jnp.asarray(blocks), 12))
+    assert got.shape == (3, 6)
+    np.testing.assert_array_equal(got[0], [5, 6, 7, 1, 2, 3])    # rank 0, then rank 1, cut
+    np.testing.assert_array_equal(got[1], [0, 2, 1, -1, -1, -1])
+    np.testing.assert_array_equal(got[2], [11, 12, 13, -1, -1, -1])
+    wide = np.asarray(group_blocks(jnp.asarray(blocks), 12, share=4))
+    np.testing.assert_array_equal(wide[0], [5, 6, 7, 1, 2, 3, 9, 8, 4, -1, -1, -1])
 
 
 def test_group_witnesses_follow_their_queries():
