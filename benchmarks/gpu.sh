@@ -5,6 +5,7 @@
 #
 # Stages: tests | headline | matrix | matrix1m | matrix1m_bw | matrix1m64 | matrix128k | kernels | select |
 # agreement | context_parallel (CP_ARGS adds options, e.g. --queries 4096) |
+# witness_timing (WT_ARGS adds options, e.g. --cases code1,code2 --widths 0,4096 --survivor-costs 1,2) |
 # decode | decode32 | decode64 (decode: every row within its time budget; decode32/64: one H each)
 # (matrix1m: the H = 32 cases at N = 1M; matrix1m_bw: the same with the block-witness
 # variant, BLOCK_WITNESSES=W (default 4096); matrix1m64: the H = 64 cases; matrix128k: all 16 at
@@ -56,12 +57,14 @@ for s in $stages; do
     agreement) run agreement "${AGREEMENT_TIMEOUT:-200}" python -m benchmarks.agreement ;;
     context_parallel) run context_parallel "${CP_TIMEOUT:-580}" python -m benchmarks.context_parallel \
       --out "$OUT" $CP_ARGS ;;
+    witness_timing) run witness_timing "${WT_TIMEOUT:-580}" python -m benchmarks.witness_timing \
+      --out "$OUT" $WT_ARGS ;;
     decode) run decode "${DECODE_TIMEOUT:-580}" python -m benchmarks decode --out "$OUT" ;;
     decode32) run decode32 "${DECODE_TIMEOUT:-580}" python -m benchmarks decode --cases H32 \
       --tag h32 --out "$OUT" ;;
     decode64) run decode64 "${DECODE_TIMEOUT:-580}" python -m benchmarks decode --cases H64 \
       --tag h64 --out "$OUT" ;;
-    *) echo "gpu.sh: unknown stage $s (tests headline matrix matrix1m matrix1m_bw matrix1m64 matrix128k kernels select agreement context_parallel decode decode32 decode64)" >&2
+    *) echo "gpu.sh: unknown stage $s (tests headline matrix matrix1m matrix1m_bw matrix1m64 matrix128k kernels select agreement context_parallel witness_timing decode decode32 decode64)" >&2
        exit 2 ;;
   esac
 done

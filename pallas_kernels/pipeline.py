@@ -30,6 +30,7 @@ reference pipeline; the seeds are a biased sample (mostly the local window).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -440,22 +441,28 @@ def _dense_pass(idx, sc, stats, direct, theta, q, w, k, k_scale, lo, hi, *, K: i
         records=records, tau_final=jnp.where(idx[:, K - 1] >= 0, sc[:, K - 1], -jnp.inf))
 
 
-#: Groups of 4 queries per dense scan of :func:`dense_rows`: few enough that the scan splits
-#: the keys finely (:func:`pallas_kernels.dense.default_splits`: 33 splits for 16 groups), so a
-#: handful of recovered groups is not one long program per group over every key.
+#: Groups of 4 queries per dense scan of :func:`dense_rows`' chunks: few enough that the scan
+#: splits the keys finely (:func:`pallas_kernels.dense.default_splits`: 33 splits for 16
+#: groups), so a handful of chosen groups is not one long program per group over every key.
 DENSE_ROW_GROUPS = 16
+#: Above this many chosen groups :func:`dense_rows` scans the whole call at once instead (one
+#: program per chosen group over its range fills the GPU by then; measured on the H200 at
+#: N = 1M: a chunk of 16 groups ≈ 2.4 ms, one whole-call scan ≈ 190 ms however few groups).
+DENSE_ROW_CHUNKED_MAX = 512
 
 
 def dense_rows(rows, theta, idx, sc, records, q, w, k, k_scale, lo, hi, *, K: int, tiles: Tiles,
-               interpret, keyside: "KeySide", chunk_groups: int = DENSE_ROW_GROUPS):
+               interpret, keyside: "KeySide", chunk_groups: int = DENSE_ROW_GROUPS,
+               chunked_max: int = DENSE_ROW_CHUNKED_MAX):
     """The rows ``rows`` [T] bool (whole groups of 4) of (idx, sc, records) replaced by the
     dense scan's exact Top-K from θ₀ = ``theta`` [T] (order keys, each a lower bound on the
     query's τ* or ``THETA_NONE``) and its record counts; the other rows unchanged.
 
-    The chosen groups are gathered ``chunk_groups`` at a time and each chunk is one dense
-    scan of its few queries with the keys split over many programs, so the time follows the
-    number of chosen groups (a loop of ⌈groups / chunk⌉ scans, none when no row is chosen)
-    instead of one program per group walking all N keys.
+    Up to ``chunked_max`` chosen groups are gathered ``chunk_groups`` at a time and each
+    chunk is one dense scan of its few queries with the keys split over many programs, so
+    the time follows the number of chosen groups (a loop of ⌈groups / chunk⌉ scans, none
+    when no row is chosen). More chosen groups are answered by one scan of the whole call
+    with the other groups' ranges empty (one program per group and key split).
     """
     T = q.shape[0]
     Tp = round_up_to(T, 4)
@@ -463,29 +470,45 @@ def dense_rows(rows, theta, idx, sc, records, q, w, k, k_scale, lo, hi, *, K: in
     R = max(1, min(chunk_groups, G4))
     rows = rows.astype(bool)
     rows_g = jnp.any(jnp.pad(rows, (0, Tp - T)).reshape(G4, 4), axis=1)
-    n_chunks = -(-G4 // R)
-    order = jnp.nonzero(rows_g, size=n_chunks * R, fill_value=G4)[0].astype(jnp.int32)
-    todo = (jnp.sum(rows_g.astype(jnp.int32)) + R - 1) // R
+    n_groups = jnp.sum(rows_g.astype(jnp.int32))
     lanes = jnp.arange(4, dtype=jnp.int32)
+    prep = functools.partial(prepare_operands, BQ=tiles.BQ, layout=tiles.layout,
+                             widen_fp8=tiles.widen_fp8, lane_sums=tiles.lane_sums,
+                             keys=keyside.operands)
 
-    def chunk(i, carry):
+    def chunked(carry):
+        n_chunks = -(-min(G4, max(chunked_max, 1)) // R)
+        order = jnp.nonzero(rows_g, size=n_chunks * R, fill_value=G4)[0].astype(jnp.int32)
+
+        def chunk(i, carry):
+            idx, sc, records = carry
+            g = lax.dynamic_slice(order, (i * R,), (R,))
+            qi = (g[:, None] * 4 + lanes[None, :]).reshape(-1)
+            qc = jnp.minimum(qi, T - 1)
+            valid = (qi < T) & rows[qc]
+            d_idx, d_sc, cand = dense_mod.topk_from_operands(
+                prep(q[qc], w[qc], k, k_scale), jnp.where(valid, lo[qc], 0),
+                jnp.where(valid, hi[qc], 0), theta[qc], K, tiles=tiles, interpret=interpret,
+                return_candidates=True)
+            at = jnp.where(valid, qc, T)          # rows not chosen: dropped
+            n = jnp.sum(cand.appended[:4 * R], axis=1).astype(records.dtype)
+            return (idx.at[at].set(d_idx, mode="drop"), sc.at[at].set(d_sc, mode="drop"),
+                    records.at[at].set(n, mode="drop"))
+
+        return lax.fori_loop(0, (n_groups + R - 1) // R, chunk, carry)
+
+    def whole(carry):
         idx, sc, records = carry
-        g = lax.dynamic_slice(order, (i * R,), (R,))
-        qi = (g[:, None] * 4 + lanes[None, :]).reshape(-1)
-        qc = jnp.minimum(qi, T - 1)
-        valid = (qi < T) & rows[qc]
-        ops = prepare_operands(q[qc], w[qc], k, k_scale, tiles.BQ, layout=tiles.layout,
-                               widen_fp8=tiles.widen_fp8, lane_sums=tiles.lane_sums,
-                               keys=keyside.operands)
         d_idx, d_sc, cand = dense_mod.topk_from_operands(
-            ops, jnp.where(valid, lo[qc], 0), jnp.where(valid, hi[qc], 0), theta[qc], K,
+            prep(q, w, k, k_scale), jnp.where(rows, lo, 0), jnp.where(rows, hi, 0), theta, K,
             tiles=tiles, interpret=interpret, return_candidates=True)
-        at = jnp.where(valid, qc, T)          # rows not chosen: dropped
-        n = jnp.sum(cand.appended[:4 * R], axis=1).astype(records.dtype)
-        return (idx.at[at].set(d_idx, mode="drop"), sc.at[at].set(d_sc, mode="drop"),
-                records.at[at].set(n, mode="drop"))
+        n = jnp.sum(cand.appended[:T], axis=1).astype(records.dtype)
+        return (jnp.where(rows[:, None], d_idx, idx), jnp.where(rows[:, None], d_sc, sc),
+                jnp.where(rows, n, records))
 
-    return lax.fori_loop(0, todo, chunk, (idx, sc, records))
+    if chunked_max >= G4:
+        return chunked((idx, sc, records))
+    return lax.cond(n_groups > chunked_max, whole, chunked, (idx, sc, records))
 
 
 def _dense_call(q, w, k, k_scale, lo, hi, config, *, tiles: Tiles, interpret, keyside: "KeySide",

@@ -138,3 +138,22 @@ def test_tile_specs_parse_seeds_and_anchors():
         parse_tiles("screen_defr=1")
     t, o = parse_tiles("")
     assert t == dense.Tiles() and (o.seeds, o.anchor) == (BENCH_SEEDS, 0)
+
+
+@pytest.mark.slow
+def test_witness_timing_rows_checked_against_dense(tmp_path):
+    """``benchmarks.witness_timing`` on tiny shapes: one row per (case, W, κ), each answer
+    bitwise the dense scan's, a larger κ never a smaller automatic budget, and both files
+    written."""
+    from benchmarks import witness_timing
+    rows = witness_timing.main(["--cases", "code2", "--widths", "128", "--survivor-costs", "1,8",
+                                "--length", "4096", "--queries", "4", "--repeats", "1",
+                                "--out", str(tmp_path)])
+    assert [(r["case"], r["W"], r["kappa"]) for r in rows] == [("code2", 128, 1.0),
+                                                               ("code2", 128, 8.0)]
+    assert all(r["eq"] for r in rows)
+    assert rows[1]["budget_mean"] >= rows[0]["budget_mean"]
+    assert all(len(r["terms"]) == 3 and 0 <= r["surv_all"] <= 1 for r in rows)
+    saved = json.loads((tmp_path / "witness_timing.json").read_text())
+    assert saved["rows"] == json.loads(json.dumps(rows))
+    assert "| code2 | 128 | 8.000 | True |" in (tmp_path / "witness_timing.md").read_text()

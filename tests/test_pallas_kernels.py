@@ -475,11 +475,14 @@ def test_block_witnesses_keep_dosa_equal_to_dense():
         assert sorted(int(i) for i in wit[g] if i >= 0) == keys
 
 
-@pytest.mark.parametrize("chunk", [1, 4])
-def test_dense_rows_replace_only_the_chosen_groups(chunk):
+@pytest.mark.parametrize("chunk,chunked_max", [(1, 64), (4, 64), (2, 3), (4, 1)],
+                         ids=["chunks_of_1", "chunks_of_4", "chunked_below_the_limit",
+                              "whole_call_above_it"])
+def test_dense_rows_replace_only_the_chosen_groups(chunk, chunked_max):
     """The chosen groups' rows (gathered ``chunk`` groups per dense scan, some chunks partly
-    empty, a ragged last group) are the dense Top-K from θ₀ with their record counts; the
-    other rows are left as they were."""
+    empty, a ragged last group; or, above ``chunked_max`` groups, one scan of the whole call)
+    are the dense Top-K from θ₀ with their record counts; the other rows are left as they
+    were."""
     inp = synthetic.structured(T=22, N=900, H=4, D=32, seed=5, key_dtype="float8_e4m3fn",
                                query_dtype="bfloat16")
     cfg = Config(top_k=16)
@@ -495,7 +498,8 @@ def test_dense_rows_replace_only_the_chosen_groups(chunk):
     keyside = pipeline.key_side(inp.k, inp.k_scale, TILES)
     idx, sc, n = jax.jit(lambda *a: pipeline.dense_rows(
         jnp.asarray(rows), theta, idx0, sc0, rec0, *a, K=K, tiles=TILES, interpret=None,
-        keyside=keyside, chunk_groups=chunk))(inp.q, inp.w, inp.k, inp.k_scale, inp.lo, inp.hi)
+        keyside=keyside, chunk_groups=chunk, chunked_max=chunked_max))(
+            inp.q, inp.w, inp.k, inp.k_scale, inp.lo, inp.hi)
     idx, sc, n = np.asarray(idx), np.asarray(sc), np.asarray(n)
     np.testing.assert_array_equal(idx[rows], np.asarray(didx)[rows])
     np.testing.assert_array_equal(sc[rows], np.asarray(dsc)[rows])
@@ -504,7 +508,7 @@ def test_dense_rows_replace_only_the_chosen_groups(chunk):
     # nothing chosen: nothing scanned, nothing changed
     same = pipeline.dense_rows(jnp.zeros(T, bool), theta, idx0, sc0, rec0, inp.q, inp.w, inp.k,
                                inp.k_scale, inp.lo, inp.hi, K=K, tiles=TILES, interpret=None,
-                               keyside=keyside, chunk_groups=chunk)
+                               keyside=keyside, chunk_groups=chunk, chunked_max=chunked_max)
     assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(same, (idx0, sc0, rec0)))
 
 

@@ -1,0 +1,127 @@
+"""What block witnesses cost and buy on the kernels: DoSA with the call-level dense switch off,
+per witness count W, beside the dense scan, with the stage and fallback shares that explain
+the time.
+
+For each trained case (H = 32) at T causal queries over N keys: the dense scan
+(``dosa_jax.dense_topk``), then per W in ``--widths`` one ``topk`` with
+``Config(block_witnesses=W, dense_switch=inf)`` (W = 0: the default seeds; with ``--survivor-costs`` once per κ of the
+automatic budget, ``Config.survivor_cost``), its answer checked
+bitwise against the dense scan's, timed on the device clock (median of ``--repeats`` after one
+warm-up), the seed stage timed alone (``pallas_kernels.pipeline.dosa_topk(stop_after="seeds")``:
+block ranking, seed scoring and the K-th search), and from the call's stats: survival over all
+queries and over those not rescanned, the shares of queries whose lists overflowed, that were
+rescanned, and that went to the dense pass, the mean automatic budget, the median τ/τ* and the
+mean seed count; beside them the switch's cost terms and predicted DoSA/dense
+(``call_cost_terms``, ``predicted_cost_ratio``), which the switch compares with its threshold.
+
+    python -m benchmarks.witness_timing --cases code1,prose1 --widths 0,4096 --out DIR
+
+Writes ``witness_timing.json`` and ``witness_timing.md`` to ``--out`` (rewritten after every
+row). Meant for the GPU (the kernel backend); on the CPU the kernels run interpreted, so use
+small ``--length`` / ``--queries`` there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import numpy as np
+
+
+COLS = ("case", "W", "kappa", "eq", "ms", "dense_ms", "seeds_ms", "surv_all", "surv_screened", "overflow",
+        "recovered", "dense", "budget_mean", "tau_over", "seeds_mean", "terms", "predicted")
+
+
+def measure(case_name: str, widths, *, T: int, N: int, repeats: int, kappas=(None,)):
+    import jax
+    import dosa_jax
+    from benchmarks.devtime import timeit
+    from benchmarks.presets import args_of, trained_inputs
+    from benchmarks.shapes import Case
+    from pallas_kernels import pipeline as pp
+
+    domain, layer = case_name[:-1], int(case_name[-1])
+    inp, _ = trained_inputs(Case(domain, layer, 32), T, N)
+    a = args_of(inp)
+    dense = jax.jit(lambda q, k, w, s, lo, hi: dosa_jax.dense_topk(
+        q, k, w, k_scale=s, lo=lo, hi=hi, config=dosa_jax.Config(top_k=2048))[:2])
+    ei, es = dense(*a)
+    tau_star = np.asarray(es)[:, -1]
+    t_dense = timeit(dense, *a, warmup=1, repeats=repeats).seconds
+    for W, kappa in ((W, kp) for W in widths for kp in kappas):
+        cfg = dosa_jax.Config(top_k=2048, backend="auto", block_witnesses=W,
+                              dense_switch=float("inf"), survivor_cost=kappa)
+        f = jax.jit(lambda q, k, w, s, lo, hi: tuple(dosa_jax.topk(
+            q, k, w, k_scale=s, lo=lo, hi=hi, config=cfg)))
+        f_seeds = jax.jit(lambda q, k, w, s, lo, hi: pp.dosa_topk(
+            q, k, w, s, lo, hi, cfg, stop_after="seeds")["tau"])
+        f_terms = jax.jit(lambda q, k, w, s, lo, hi: pp.call_cost_terms(q, k, w, s, lo, hi, cfg))
+        i, sc, st = f(*a)
+        eq = bool(np.array_equal(np.asarray(i), np.asarray(ei))
+                  and np.array_equal(np.asarray(sc).view(np.int32), np.asarray(es).view(np.int32)))
+        t = timeit(f, *a, warmup=1, repeats=repeats).seconds
+        t_seeds = timeit(f_seeds, *a, warmup=1, repeats=repeats).seconds
+        terms = np.asarray(f_terms(*a))
+        tau = np.asarray(st.tau_seed)
+        ok = np.isfinite(tau) & (tau_star > 0)
+        rec = np.asarray(st.recoveries) > 0
+        surv = np.asarray(st.survivors, np.float64)
+        vis = np.asarray(st.visible, np.float64)
+        yield dict(case=case_name, W=W, kappa=kappa, eq=eq, ms=t * 1e3, dense_ms=t_dense * 1e3,
+                   seeds_ms=t_seeds * 1e3, surv_all=surv.sum() / vis.sum(),
+                   surv_screened=surv[~rec].sum() / max(vis[~rec].sum(), 1),
+                   overflow=float(np.mean(np.asarray(st.overflows) > 0)),
+                   recovered=float(rec.mean()), dense=float(np.mean(np.asarray(st.dense))),
+                   budget_mean=float(np.mean(np.asarray(st.budget))),
+                   tau_over=float(np.median(tau[ok] / tau_star[ok])) if ok.any() else None,
+                   seeds_mean=float(np.mean(np.asarray(st.seeds))),
+                   terms=[round(float(x), 4) for x in terms],
+                   predicted=float(pp.predicted_cost_ratio(terms)))
+        del i, sc, st
+
+
+def markdown(rows, header: str) -> str:
+    fmt = lambda v: ("-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v))
+    lines = [f"# Block witnesses on the kernels (dense switch off)\n", header, "",
+             "| " + " | ".join(COLS) + " |", "|" + "---|" * len(COLS)]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in COLS) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cases", default="code1,prose1", help="e.g. code1,prose3 (H = 32)")
+    ap.add_argument("--widths", default="0,4096", help="block witness counts W (0: none)")
+    ap.add_argument("--survivor-costs", default="",
+                    help="κ values of the automatic budget (Config.survivor_cost), e.g. 1,2,4; "
+                         "empty: the backend's default")
+    ap.add_argument("--length", type=int, default=1 << 20, help="keys N")
+    ap.add_argument("--queries", type=int, default=16384, help="causal queries T")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    args = ap.parse_args(argv)
+    import jax
+    widths = [int(x) for x in args.widths.split(",")]
+    kappas = [float(x) for x in args.survivor_costs.split(",")] if args.survivor_costs else [None]
+    os.makedirs(args.out, exist_ok=True)
+    header = (f"T={args.queries} causal, N={args.length}, K=2048, FP8 keys, H=32; "
+              f"{jax.devices()[0].device_kind}; jax {jax.__version__}; commit "
+              f"{os.environ.get('DOSA_COMMIT', 'unknown')}; median of {args.repeats} timed "
+              "calls after 1 warm-up")
+    rows = []
+    for c in args.cases.split(","):
+        for r in measure(c, widths, T=args.queries, N=args.length, repeats=args.repeats,
+                         kappas=kappas):
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+            with open(os.path.join(args.out, "witness_timing.json"), "w") as f:
+                json.dump(dict(header=header, rows=rows), f, indent=1)
+            with open(os.path.join(args.out, "witness_timing.md"), "w") as f:
+                f.write(markdown(rows, header))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
