@@ -462,7 +462,8 @@ def dense_rows(rows, theta, idx, sc, records, q, w, k, k_scale, lo, hi, *, K: in
     chunk is one dense scan of its few queries with the keys split over many programs, so
     the time follows the number of chosen groups (a loop of ⌈groups / chunk⌉ scans, none
     when no row is chosen). More chosen groups are answered by one scan of the whole call
-    with the other groups' ranges empty (one program per group and key split).
+    with the other groups' ranges empty (one program per group and key split). With no row
+    chosen the call costs one conditional (no loop is entered).
     """
     T = q.shape[0]
     Tp = round_up_to(T, 4)
@@ -506,9 +507,13 @@ def dense_rows(rows, theta, idx, sc, records, q, w, k, k_scale, lo, hi, *, K: in
         return (jnp.where(rows[:, None], d_idx, idx), jnp.where(rows[:, None], d_sc, sc),
                 jnp.where(rows, n, records))
 
-    if chunked_max >= G4:
-        return chunked((idx, sc, records))
-    return lax.cond(n_groups > chunked_max, whole, chunked, (idx, sc, records))
+    def some(carry):
+        if chunked_max >= G4:
+            return chunked(carry)
+        return lax.cond(n_groups > chunked_max, whole, chunked, carry)
+
+    # nothing chosen (the usual case): one predicate, as cheap as a call without rescans
+    return lax.cond(n_groups > 0, some, lambda c: c, (idx, sc, records))
 
 
 def _dense_call(q, w, k, k_scale, lo, hi, config, *, tiles: Tiles, interpret, keyside: "KeySide",
