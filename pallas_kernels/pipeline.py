@@ -446,8 +446,9 @@ def _dense_pass(idx, sc, stats, direct, theta, q, w, k, k_scale, lo, hi, *, K: i
 #: groups), so a handful of chosen groups is not one long program per group over every key.
 DENSE_ROW_GROUPS = 16
 #: Above this many chosen groups :func:`dense_rows` scans the whole call at once instead (one
-#: program per chosen group over its range fills the GPU by then; measured on the H200 at
-#: N = 1M: a chunk of 16 groups ≈ 2.4 ms, one whole-call scan ≈ 190 ms however few groups).
+#: program per chosen group over its range fills the GPU by then; estimated from H200 calls
+#: at N = 1M (BENCHMARKS.md): a chunk of 16 groups ≈ 2.4 ms, one whole-call scan ≈ 190 ms
+#: however few groups).
 DENSE_ROW_CHUNKED_MAX = 512
 
 
