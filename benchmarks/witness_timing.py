@@ -7,9 +7,11 @@ For each trained case (H = 32) at T causal queries over N keys: the dense scan
 ``Config(block_witnesses=W, dense_switch=inf)`` (W = 0: the default seeds; with ``--survivor-costs`` once per κ of the
 automatic budget, ``Config.survivor_cost``), its answer checked
 bitwise against the dense scan's, timed on the device clock (median of ``--repeats`` after one
-warm-up), the seed stage timed alone (``pallas_kernels.pipeline.dosa_topk(stop_after="seeds")``:
-block ranking, seed scoring and the K-th search), and from the call's stats: survival over all
-queries and over those not rescanned, the shares of queries whose lists overflowed, that were
+warm-up), the call up to the end of three stages timed alone
+(``pallas_kernels.pipeline.dosa_topk(stop_after=...)``: "seeds" is block ranking, seed scoring
+and the K-th search; "screen" adds the plan, the screen and the compaction; "refine" adds the
+refinement), and from the call's stats: survival over all queries and over those not
+rescanned, records (survivors scoring ≥ τ) over the visible keys of those not rescanned, the shares of queries whose lists overflowed, that were
 rescanned, and that went to the dense pass, the mean automatic budget, the median τ/τ* and the
 mean seed count; beside them the switch's cost terms and predicted DoSA/dense
 (``call_cost_terms``, ``predicted_cost_ratio``), which the switch compares with its threshold.
@@ -31,14 +33,16 @@ import os
 import numpy as np
 
 
-COLS = ("case", "W", "kappa", "eq", "ms", "dense_ms", "seeds_ms", "surv_all", "surv_screened", "overflow",
-        "recovered", "dense", "budget_mean", "tau_over", "seeds_mean", "terms", "predicted")
+COLS = ("case", "W", "kappa", "eq", "ms", "dense_ms", "seeds_ms", "screen_ms", "refine_ms", "surv_all",
+        "surv_screened", "records", "overflow", "recovered", "dense", "budget_mean", "tau_over",
+        "seeds_mean", "terms", "predicted")
 
 
 @functools.lru_cache(maxsize=None)
 def _paths(W: int, kappa):
-    """(DoSA, its seed stage, its cost terms) as jitted functions of (q, k, w, k_scale, lo, hi)
-    for one (W, κ): built once, so every case of the same shapes reuses their compilations."""
+    """(DoSA, its stages up to seeds, screen and refine, its cost terms) as jitted functions
+    of (q, k, w, k_scale, lo, hi) for one (W, κ): built once, so every case of the same
+    shapes reuses their compilations."""
     import jax
     import dosa_jax
     from pallas_kernels import pipeline as pp
@@ -46,10 +50,14 @@ def _paths(W: int, kappa):
                           dense_switch=float("inf"), survivor_cost=kappa)
     f = jax.jit(lambda q, k, w, s, lo, hi: tuple(dosa_jax.topk(
         q, k, w, k_scale=s, lo=lo, hi=hi, config=cfg)))
-    f_seeds = jax.jit(lambda q, k, w, s, lo, hi: pp.dosa_topk(
-        q, k, w, s, lo, hi, cfg, stop_after="seeds")["tau"])
+    stage = lambda name: jax.jit(lambda q, k, w, s, lo, hi: pp.dosa_topk(
+        q, k, w, s, lo, hi, cfg, stop_after=name)["count"])
     f_terms = jax.jit(lambda q, k, w, s, lo, hi: pp.call_cost_terms(q, k, w, s, lo, hi, cfg))
-    return f, f_seeds, f_terms
+    return f, tuple(stage(n) for n in STAGES), f_terms
+
+
+#: The stages timed alone, each from the call's start (their differences are the stage costs).
+STAGES = ("seeds", "screen", "refine")
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,12 +82,12 @@ def measure(case_name: str, widths, *, T: int, N: int, repeats: int, kappas=(Non
     tau_star = np.asarray(es)[:, -1]
     t_dense = timeit(dense, *a, warmup=1, repeats=repeats).seconds
     for W, kappa in ((W, kp) for W in widths for kp in kappas):
-        f, f_seeds, f_terms = _paths(W, kappa)
+        f, f_stages, f_terms = _paths(W, kappa)
         i, sc, st = f(*a)
         eq = bool(np.array_equal(np.asarray(i), np.asarray(ei))
                   and np.array_equal(np.asarray(sc).view(np.int32), np.asarray(es).view(np.int32)))
         t = timeit(f, *a, warmup=1, repeats=repeats).seconds
-        t_seeds = timeit(f_seeds, *a, warmup=1, repeats=repeats).seconds
+        t_stage = [timeit(g, *a, warmup=1, repeats=repeats).seconds * 1e3 for g in f_stages]
         terms = np.asarray(f_terms(*a))
         tau = np.asarray(st.tau_seed)
         ok = np.isfinite(tau) & (tau_star > 0)
@@ -87,8 +95,11 @@ def measure(case_name: str, widths, *, T: int, N: int, repeats: int, kappas=(Non
         surv = np.asarray(st.survivors, np.float64)
         vis = np.asarray(st.visible, np.float64)
         yield dict(case=case_name, W=W, kappa=kappa, eq=eq, ms=t * 1e3, dense_ms=t_dense * 1e3,
-                   seeds_ms=t_seeds * 1e3, surv_all=surv.sum() / vis.sum(),
+                   **{f"{n}_ms": x for n, x in zip(STAGES, t_stage)},
+                   surv_all=surv.sum() / vis.sum(),
                    surv_screened=surv[~rec].sum() / max(vis[~rec].sum(), 1),
+                   records=float(np.asarray(st.records, np.float64)[~rec].sum()
+                                 / max(vis[~rec].sum(), 1)),
                    overflow=float(np.mean(np.asarray(st.overflows) > 0)),
                    recovered=float(rec.mean()), dense=float(np.mean(np.asarray(st.dense))),
                    budget_mean=float(np.mean(np.asarray(st.budget))),

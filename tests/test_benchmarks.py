@@ -154,6 +154,8 @@ def test_witness_timing_rows_checked_against_dense(tmp_path):
     assert all(r["eq"] for r in rows)
     assert rows[1]["budget_mean"] >= rows[0]["budget_mean"]
     assert all(len(r["terms"]) == 3 and 0 <= r["surv_all"] <= 1 for r in rows)
+    assert all(0 <= r["records"] <= r["surv_screened"] for r in rows)
+    assert all(r[f"{s}_ms"] > 0 for r in rows for s in witness_timing.STAGES)
     saved = json.loads((tmp_path / "witness_timing.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(rows))
     assert "| code2 | 128 | 8.000 | True |" in (tmp_path / "witness_timing.md").read_text()
