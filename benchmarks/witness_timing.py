@@ -11,7 +11,8 @@ warm-up), the call up to the end of three stages timed alone
 (``pallas_kernels.pipeline.dosa_topk(stop_after=...)``: "seeds" is block ranking, seed scoring
 and the K-th search; "screen" adds the plan, the screen and the compaction; "refine" adds the
 refinement), and from the call's stats: survival over all queries and over those not
-rescanned, records (survivors scoring ≥ τ) over the visible keys of those not rescanned, the shares of queries whose lists overflowed, that were
+rescanned, records (survivors scoring ≥ τ) over the visible keys of those not rescanned, the
+share of each automatic budget among those not rescanned, the shares of queries whose lists overflowed, that were
 rescanned, and that went to the dense pass, the mean automatic budget, the median τ/τ* and the
 mean seed count; beside them the switch's cost terms and predicted DoSA/dense
 (``call_cost_terms``, ``predicted_cost_ratio``), which the switch compares with its threshold.
@@ -35,7 +36,7 @@ import numpy as np
 
 COLS = ("case", "W", "kappa", "eq", "ms", "dense_ms", "seeds_ms", "screen_ms", "refine_ms", "surv_all",
         "surv_screened", "records", "overflow", "recovered", "dense", "budget_mean", "tau_over",
-        "seeds_mean", "terms", "predicted")
+        "seeds_mean", "budgets", "terms", "predicted")
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,11 +104,18 @@ def measure(case_name: str, widths, *, T: int, N: int, repeats: int, kappas=(Non
                    overflow=float(np.mean(np.asarray(st.overflows) > 0)),
                    recovered=float(rec.mean()), dense=float(np.mean(np.asarray(st.dense))),
                    budget_mean=float(np.mean(np.asarray(st.budget))),
+                   budgets=budget_shares(np.asarray(st.budget)[~rec]),
                    tau_over=float(np.median(tau[ok] / tau_star[ok])) if ok.any() else None,
                    seeds_mean=float(np.mean(np.asarray(st.seeds))),
                    terms=[round(float(x), 4) for x in terms],
                    predicted=float(pp.predicted_cost_ratio(terms)))
         del i, sc, st
+
+
+def budget_shares(budget) -> str:
+    """"r:share" of each automatic budget among the queries, ascending r (e.g. "7:0.95 15:0.05")."""
+    r, n = np.unique(budget, return_counts=True)
+    return " ".join(f"{int(a)}:{b / max(budget.size, 1):.3f}" for a, b in zip(r, n))
 
 
 def markdown(rows, header: str) -> str:

@@ -544,6 +544,17 @@ def _dense_call(q, w, k, k_scale, lo, hi, config, *, tiles: Tiles, interpret, ke
     return idx, sc, stats
 
 
+def budget_block(classes, A: int, T: int, tiles: Tiles) -> int:
+    """Consecutive queries of a wave of ``T`` that share one automatic budget
+    (``tiles.budget_share``): all ``T`` ("wave"), the largest screening program of the
+    classes ("program") or 1 ("query")."""
+    if tiles.budget_share == "wave":
+        return max(T, 1)
+    if tiles.budget_share == "program":
+        return max(_class_program_queries(classes, A, T, tiles).values())
+    return 1
+
+
 def _class_program_queries(classes, A: int, T: int, tiles: Tiles) -> dict:
     """Queries per screening program of each budget class (a power of two)."""
     return {c: screen_queries_per_program(screen_rows(c, A, tiles.screen_layout), T,
@@ -715,10 +726,10 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     sample = plan_sample(*plan_sample_dots(q, k, lo, hi, config, mma=tiles.plan_sample_mma),
                          knorm, k_scale)
     p, sdots, snorm, svalid = sample
-    # the automatic budget, priced for this backend: one budget per screening program (the
-    # kernel pays for its largest one anyway; tiles.shared_budget), survivors weighted by κ
-    B = (max(_class_program_queries(config.budgets(H), A, T, tiles).values())
-         if tiles.shared_budget else 1)
+    # the automatic budget, priced for this backend: one budget for the whole wave (one
+    # screen class per wave: each class present costs its kernel's full latency) or per
+    # screening program (tiles.budget_share), survivors weighted by κ
+    B = budget_block(config.budgets(H), A, T, tiles)
     kappa = SURVIVOR_COST if config.survivor_cost is None else config.survivor_cost
     plan, details, budget = build_plan(q.astype(jnp.float32), w, p, config, sample_dots=sdots,
                                        sample_norms=snorm, sample_valid=svalid, tau=tau,

@@ -65,9 +65,13 @@ class Tiles(NamedTuple):
     # epilogue, one more accumulator in registers (tiles wider than 128 columns keep the
     # plain loop)
     screen_defer: bool = True
-    # the automatic budget chosen once per screening program (its queries share the budget
-    # the kernel pays for anyway) instead of per query
-    shared_budget: bool = True
+    # which queries share one automatic budget: "wave" (every query of a wave: one screen
+    # class, one kernel, per wave), "program" (each screening program's queries: the budget
+    # its kernel pays for anyway) or "query". A class kernel takes at least one program's
+    # scan of its whole key range however few programs it holds (one key split at long
+    # context), so every class present in a wave costs about that latency: a wave whose
+    # programs mix two classes pays both kernels in full (BUDGET_SHARES)
+    budget_share: str = "wave"
     # bf16/FP8 queries: the negative aggregate as one column (its bf16 hi; a − hi charged to
     # the coefficient) instead of two (hi, −lo): one more retained head in the same columns
     aggregate_hi_only: bool = True
@@ -101,6 +105,10 @@ class Tiles(NamedTuple):
     plan_sample_mma: bool = True
 
 
+#: The values of ``Tiles.budget_share``.
+BUDGET_SHARES = ("wave", "program", "query")
+
+
 def check_tiles(tiles: Tiles) -> Tiles:
     """Reject tile configurations the kernels cannot run, naming the field."""
     if not isinstance(tiles, Tiles):
@@ -126,6 +134,9 @@ def check_tiles(tiles: Tiles) -> Tiles:
         raise ValueError(f"tiles.record_slots must be >= 0 (0: default), got {tiles.record_slots}")
     if not isinstance(tiles.refine_slices, int) or tiles.refine_slices < 1:
         raise ValueError(f"tiles.refine_slices must be an int >= 1, got {tiles.refine_slices!r}")
+    if tiles.budget_share not in BUDGET_SHARES:
+        raise ValueError(f"tiles.budget_share must be one of {BUDGET_SHARES}, got "
+                         f"{tiles.budget_share!r}")
     if tiles.screen_bq < 0 or tiles.screen_bq % 4:
         raise ValueError(f"tiles.screen_bq must be 0 or a multiple of 4, got {tiles.screen_bq}")
     if tiles.num_warps not in (1, 2, 4, 8, 16) or tiles.screen_warps not in (1, 2, 4, 8, 16):

@@ -156,6 +156,9 @@ def test_witness_timing_rows_checked_against_dense(tmp_path):
     assert all(len(r["terms"]) == 3 and 0 <= r["surv_all"] <= 1 for r in rows)
     assert all(0 <= r["records"] <= r["surv_screened"] for r in rows)
     assert all(r[f"{s}_ms"] > 0 for r in rows for s in witness_timing.STAGES)
+    for r in rows:   # "r:share" per budget, budgets of H = 32 (1 … 31), shares summing to ≤ 1
+        shares = {int(a): float(b) for a, b in (x.split(":") for x in r["budgets"].split())}
+        assert all(1 <= a <= 31 for a in shares) and sum(shares.values()) <= 1.001
     saved = json.loads((tmp_path / "witness_timing.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(rows))
     assert "| code2 | 128 | 8.000 | True |" in (tmp_path / "witness_timing.md").read_text()

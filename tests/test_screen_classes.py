@@ -86,30 +86,36 @@ def test_dosa_with_two_budget_classes_equals_dense_bitwise():
                  capacity=1024)
     args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)
     # budgets chosen per query, the aggregate as two columns, the plain screen loop
-    per_query = TILES_KC._replace(shared_budget=False, aggregate_hi_only=False,
+    per_query = TILES_KC._replace(budget_share="query", aggregate_hi_only=False,
                                   screen_defer=False)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(pipeline, "DIRECT_SURVIVAL", 2.0)            # every group screens
         idx, sc, st, det = jit_dosa_details(args, cfg, tiles=per_query, splits=2)
-        # the defaults: shared by each 8-query screening program, the aggregate as one
-        # column, the software-pipelined screen; survivors priced 4x (more heads)
+        # shared by each 8-query screening program, the aggregate as one column, the
+        # software-pipelined screen; survivors priced 4x (more heads)
         cfg4 = cfg.replace(survivor_cost=4.0)
-        idx4, sc4, st4, det4 = jit_dosa_details(args, cfg4, tiles=TILES_KC, splits=2)
+        prog = TILES_KC._replace(budget_share="program")
+        idx4, sc4, st4, det4 = jit_dosa_details(args, cfg4, tiles=prog, splits=2)
         # packed masks: both classes' kernels write one byte per key for each pair of groups
-        idxp, scp, stp, _ = jit_dosa_details(args, cfg4, tiles=TILES_KC._replace(screen_pack=True),
-                                             splits=2)
+        idxp, scp, stp, _ = jit_dosa_details(args, cfg, tiles=per_query._replace(
+            screen_pack=True), splits=2)
+        # the default: one budget for the wave (here the call), one class, one kernel
+        idxw, scw, stw, detw = jit_dosa_details(args, cfg, tiles=TILES_KC, splits=2)
     didx, dsc = jax.jit(lambda *a: pipeline.dense_topk(*a, cfg, tiles=TILES_KC, splits=2))(*args)
-    np.testing.assert_array_equal(np.asarray(stp.survivors), np.asarray(st4.survivors))
-    for i, s_ in ((idx, sc), (idx4, sc4), (idxp, scp)):
+    np.testing.assert_array_equal(np.asarray(stp.survivors), np.asarray(st.survivors))
+    for i, s_ in ((idx, sc), (idx4, sc4), (idxp, scp), (idxw, scw)):
         np.testing.assert_array_equal(np.asarray(i), np.asarray(didx))
         np.testing.assert_array_equal(np.asarray(s_), np.asarray(dsc))
     b = np.asarray(st.budget).reshape(-1, 8).max(axis=1)       # program classes (8 queries)
     assert len(set(b.tolist())) == 2, f"one class only: {b}"
     b4 = np.asarray(st4.budget).reshape(-1, 8)
     assert np.all(b4 == b4[:, :1]), "budgets differ inside a screening program"
+    bw = np.asarray(stw.budget)
+    assert np.all(bw == bw[0]), f"budgets differ inside the wave: {bw}"
     assert float(jnp.mean(st.survivors / st.visible)) < 1.0
     assert_screening_bound_holds_on_every_key(inp, det)
     assert_screening_bound_holds_on_every_key(inp, det4)
+    assert_screening_bound_holds_on_every_key(inp, detw)
 
 
 def test_budget_between_classes_goes_to_the_next_class():
