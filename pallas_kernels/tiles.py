@@ -25,8 +25,9 @@ class Tiles(NamedTuple):
 
     The defaults: the ``kc`` layout (one [BK, D]×[D, 4·H] MMA per key tile for the 4
     queries, each query's head sum inside one thread), 64-key tiles (128 in the refinement),
-    3 pipeline stages, ``kc`` screens of 8 queries with a software-pipelined epilogue and one
-    budget per screening program, FP8 keys widened to bf16 before the kernels.
+    3 pipeline stages, ``kc`` screens of 8 queries with a software-pipelined epilogue, one
+    automatic budget per wave (one screen kernel per wave), FP8 keys widened to bf16 before
+    the kernels.
     """
 
     BQ: int = 4          # queries per program (refinement group size, paper Sec. 3)

@@ -884,7 +884,8 @@ def test_bad_tiles_are_rejected_naming_the_field():
                        (TILES._replace(refine_order="random"), "tiles.refine_order"),
                        (TILES._replace(compact_chunk=1000), "tiles.compact_chunk"),
                        (TILES._replace(compact_chunk=8), "tiles.compact_chunk"),
-                       (TILES._replace(compact_chunks=0), "tiles.compact_chunks")):
+                       (TILES._replace(compact_chunks=0), "tiles.compact_chunks"),
+                       (TILES._replace(budget_share="group"), "tiles.budget_share")):
         with pytest.raises(ValueError, match=field):
             pipeline.dosa_topk(*args, tiles=bad)
     with pytest.raises(ValueError, match="tiles.BQ"):
