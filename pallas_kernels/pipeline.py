@@ -139,7 +139,7 @@ DIRECT_LIST_USE = float("inf")
 #: DoSA's time to the dense scan's (:func:`predicted_cost_ratio`) exceeds this: screening
 #: cannot pay on such a call, and the decision costs only the planner's sample of a few
 #: groups. ``Config.dense_switch`` overrides it (``inf``: never).
-DENSE_SWITCH = 0.75
+DENSE_SWITCH = 0.7
 #: The cost model's constants, in units of the dense scan's cost per (query, key): the
 #: screen's cost per plan row (the rows r + A of a query's class, over H), the refinement's
 #: per key of a group's survivor union, and the fixed part (seeds, compaction, planning).
