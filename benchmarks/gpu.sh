@@ -5,7 +5,7 @@
 #
 # Stages: tests | headline | matrix | matrix1m | matrix1m_bw | matrix1m64 | matrix128k | kernels | select |
 # agreement | context_parallel (CP_ARGS adds options, e.g. --queries 4096) |
-# witness_timing (WT_ARGS adds options, e.g. --cases code1,code2 --widths 0,4096 --survivor-costs 1,2) |
+# witness_timing (WT_ARGS adds options, e.g. --cases code1,code2 --widths 0,4096 --survivor-costs 1,2 --splits 0,2) |
 # decode | decode32 | decode64 (decode: every row within its time budget; decode32/64: one H each)
 # (matrix1m: the H = 32 cases at N = 1M; matrix1m_bw: the same with the block-witness
 # variant, BLOCK_WITNESSES=W (default 4096); matrix1m64: the H = 64 cases; matrix128k: all 16 at

@@ -1,21 +1,24 @@
-"""What block witnesses cost and buy on the kernels: DoSA with the call-level dense switch off,
-per witness count W, beside the dense scan, with the stage and fallback shares that explain
-the time.
+"""What block witnesses, the budget's survivor price and the key splits cost and buy on the
+kernels: DoSA with the call-level dense switch off, beside the dense scan, with the stage and
+fallback shares that explain the time.
 
 For each trained case (H = 32) at T causal queries over N keys: the dense scan
-(``dosa_jax.dense_topk``), then per W in ``--widths`` one ``topk`` with
-``Config(block_witnesses=W, dense_switch=inf)`` (W = 0: the default seeds; with ``--survivor-costs`` once per κ of the
-automatic budget, ``Config.survivor_cost``), its answer checked
-bitwise against the dense scan's, timed on the device clock (median of ``--repeats`` after one
-warm-up), the call up to the end of three stages timed alone
+(``dosa_jax.dense_topk``), then one DoSA call per (W, κ, S) in ``--widths`` ×
+``--survivor-costs`` × ``--splits``: ``topk`` with ``Config(block_witnesses=W,
+survivor_cost=κ, dense_switch=inf)`` (W = 0: the default seeds; κ empty: the backend's
+default), or with S > 0 key splits ``pallas_kernels.pipeline.dosa_topk(splits=S)`` directly
+(S = 0: the pipeline's own choice). Each answer is checked bitwise against the dense scan's (of
+the kernels when S > 0) and timed on the device clock (median of ``--repeats`` after one
+warm-up). The call up to the end of three stages is timed alone
 (``pallas_kernels.pipeline.dosa_topk(stop_after=...)``: "seeds" is block ranking, seed scoring
 and the K-th search; "screen" adds the plan, the screen and the compaction; "refine" adds the
-refinement), and from the call's stats: survival over all queries and over those not
-rescanned, records (survivors scoring ≥ τ) over the visible keys of those not rescanned, the
-share of each automatic budget among those not rescanned, the shares of queries whose lists overflowed, that were
-rescanned, and that went to the dense pass, the mean automatic budget, the median τ/τ* and the
-mean seed count; beside them the switch's cost terms and predicted DoSA/dense
-(``call_cost_terms``, ``predicted_cost_ratio``), which the switch compares with its threshold.
+refinement). From the call's stats: survival over all queries and over those not rescanned,
+records (survivors scoring ≥ τ) over the visible keys of those not rescanned, the share of
+each automatic budget among those not rescanned, the shares of queries whose lists
+overflowed, that were rescanned, and that went to the dense pass, the mean automatic budget,
+the median τ/τ* and the mean seed count; beside them the switch's cost terms and predicted
+DoSA/dense (``call_cost_terms``, ``predicted_cost_ratio``), which the switch compares with its
+threshold.
 
     python -m benchmarks.witness_timing --cases code1,prose1 --widths 0,4096 --out DIR
 
@@ -34,26 +37,34 @@ import os
 import numpy as np
 
 
-COLS = ("case", "W", "kappa", "eq", "ms", "dense_ms", "seeds_ms", "screen_ms", "refine_ms", "surv_all",
+COLS = ("case", "W", "kappa", "splits", "eq", "ms", "dense_ms", "seeds_ms", "screen_ms", "refine_ms", "surv_all",
         "surv_screened", "records", "overflow", "recovered", "dense", "budget_mean", "tau_over",
         "seeds_mean", "budgets", "terms", "predicted")
 
 
 @functools.lru_cache(maxsize=None)
-def _paths(W: int, kappa):
+def _paths(W: int, kappa, splits: int = 0):
     """(DoSA, its stages up to seeds, screen and refine, its cost terms) as jitted functions
-    of (q, k, w, k_scale, lo, hi) for one (W, κ): built once, so every case of the same
-    shapes reuses their compilations."""
+    of (q, k, w, k_scale, lo, hi) for one (W, κ, key splits): built once, so every case of the
+    same shapes reuses their compilations. ``splits`` 0: the public ``topk`` (the pipeline's
+    own split count); > 0: ``pallas_kernels.pipeline.dosa_topk`` with that many key splits of
+    the screen and the refinement (the inputs are the trained data, valid as ``topk`` checks)."""
     import jax
     import dosa_jax
     from pallas_kernels import pipeline as pp
     cfg = dosa_jax.Config(top_k=2048, backend="auto", block_witnesses=W,
                           dense_switch=float("inf"), survivor_cost=kappa)
-    f = jax.jit(lambda q, k, w, s, lo, hi: tuple(dosa_jax.topk(
-        q, k, w, k_scale=s, lo=lo, hi=hi, config=cfg)))
+    S = splits or None
+    if splits:
+        f = jax.jit(lambda q, k, w, s, lo, hi: tuple(pp.dosa_topk(
+            q, k, w, s, lo, hi, cfg, splits=S)))
+    else:
+        f = jax.jit(lambda q, k, w, s, lo, hi: tuple(dosa_jax.topk(
+            q, k, w, k_scale=s, lo=lo, hi=hi, config=cfg)))
     stage = lambda name: jax.jit(lambda q, k, w, s, lo, hi: pp.dosa_topk(
-        q, k, w, s, lo, hi, cfg, stop_after=name)["count"])
-    f_terms = jax.jit(lambda q, k, w, s, lo, hi: pp.call_cost_terms(q, k, w, s, lo, hi, cfg))
+        q, k, w, s, lo, hi, cfg, splits=S, stop_after=name)["count"])
+    f_terms = jax.jit(lambda q, k, w, s, lo, hi: pp.call_cost_terms(q, k, w, s, lo, hi, cfg,
+                                                                    splits=S))
     return f, tuple(stage(n) for n in STAGES), f_terms
 
 
@@ -62,14 +73,22 @@ STAGES = ("seeds", "screen", "refine")
 
 
 @functools.lru_cache(maxsize=None)
-def _dense():
+def _dense(kernels: bool = False):
+    """The dense scan, jitted: the public ``dense_topk`` (``backend="auto"``), or with
+    ``kernels`` the Pallas kernels' own (what a direct ``pallas_kernels.pipeline.dosa_topk`` call
+    is compared with; the same function as the public one on a GPU)."""
     import jax
     import dosa_jax
+    cfg = dosa_jax.Config(top_k=2048)
+    if kernels:
+        from pallas_kernels import pipeline as pp
+        return jax.jit(lambda q, k, w, s, lo, hi: pp.dense_topk(q, k, w, s, lo, hi, cfg))
     return jax.jit(lambda q, k, w, s, lo, hi: dosa_jax.dense_topk(
-        q, k, w, k_scale=s, lo=lo, hi=hi, config=dosa_jax.Config(top_k=2048))[:2])
+        q, k, w, k_scale=s, lo=lo, hi=hi, config=cfg)[:2])
 
 
-def measure(case_name: str, widths, *, T: int, N: int, repeats: int, kappas=(None,)):
+def measure(case_name: str, widths, *, T: int, N: int, repeats: int, kappas=(None,),
+            splits=(0,), stages: bool = True):
     from benchmarks.devtime import timeit
     from benchmarks.presets import args_of, trained_inputs
     from benchmarks.shapes import Case
@@ -82,20 +101,22 @@ def measure(case_name: str, widths, *, T: int, N: int, repeats: int, kappas=(Non
     ei, es = dense(*a)
     tau_star = np.asarray(es)[:, -1]
     t_dense = timeit(dense, *a, warmup=1, repeats=repeats).seconds
-    for W, kappa in ((W, kp) for W in widths for kp in kappas):
-        f, f_stages, f_terms = _paths(W, kappa)
+    for W, kappa, S in ((W, kp, S) for W in widths for kp in kappas for S in splits):
+        f, f_stages, f_terms = _paths(W, kappa, S)
         i, sc, st = f(*a)
-        eq = bool(np.array_equal(np.asarray(i), np.asarray(ei))
-                  and np.array_equal(np.asarray(sc).view(np.int32), np.asarray(es).view(np.int32)))
+        ri, rs = (ei, es) if not S else _dense(kernels=True)(*a)
+        eq = bool(np.array_equal(np.asarray(i), np.asarray(ri))
+                  and np.array_equal(np.asarray(sc).view(np.int32), np.asarray(rs).view(np.int32)))
         t = timeit(f, *a, warmup=1, repeats=repeats).seconds
-        t_stage = [timeit(g, *a, warmup=1, repeats=repeats).seconds * 1e3 for g in f_stages]
+        t_stage = ([timeit(g, *a, warmup=1, repeats=repeats).seconds * 1e3 for g in f_stages]
+                   if stages else [None] * len(STAGES))
         terms = np.asarray(f_terms(*a))
         tau = np.asarray(st.tau_seed)
         ok = np.isfinite(tau) & (tau_star > 0)
         rec = np.asarray(st.recoveries) > 0
         surv = np.asarray(st.survivors, np.float64)
         vis = np.asarray(st.visible, np.float64)
-        yield dict(case=case_name, W=W, kappa=kappa, eq=eq, ms=t * 1e3, dense_ms=t_dense * 1e3,
+        yield dict(case=case_name, W=W, kappa=kappa, splits=S, eq=eq, ms=t * 1e3, dense_ms=t_dense * 1e3,
                    **{f"{n}_ms": x for n, x in zip(STAGES, t_stage)},
                    surv_all=surv.sum() / vis.sum(),
                    surv_screened=surv[~rec].sum() / max(vis[~rec].sum(), 1),
@@ -133,6 +154,10 @@ def main(argv=None):
     ap.add_argument("--survivor-costs", default="",
                     help="κ values of the automatic budget (Config.survivor_cost), e.g. 1,2,4; "
                          "empty: the backend's default")
+    ap.add_argument("--splits", default="0",
+                    help="key splits of the screen and refinement, e.g. 0,2,3 (0: the pipeline's)")
+    ap.add_argument("--no-stages", action="store_true",
+                    help="leave the stages untimed (their columns '-'; fewer compilations)")
     ap.add_argument("--length", type=int, default=1 << 20, help="keys N")
     ap.add_argument("--queries", type=int, default=16384, help="causal queries T")
     ap.add_argument("--repeats", type=int, default=3)
@@ -141,6 +166,9 @@ def main(argv=None):
     import jax
     widths = [int(x) for x in args.widths.split(",")]
     kappas = [float(x) for x in args.survivor_costs.split(",")] if args.survivor_costs else [None]
+    splits = [int(x) for x in args.splits.split(",")]
+    if any(S < 0 for S in splits):
+        ap.error(f"--splits must be >= 0, got {args.splits}")
     os.makedirs(args.out, exist_ok=True)
     header = (f"T={args.queries} causal, N={args.length}, K=2048, FP8 keys, H=32; "
               f"{jax.devices()[0].device_kind}; jax {jax.__version__}; commit "
@@ -149,7 +177,7 @@ def main(argv=None):
     rows = []
     for c in args.cases.split(","):
         for r in measure(c, widths, T=args.queries, N=args.length, repeats=args.repeats,
-                         kappas=kappas):
+                         kappas=kappas, splits=splits, stages=not args.no_stages):
             rows.append(r)
             print(json.dumps(r), flush=True)
             with open(os.path.join(args.out, "witness_timing.json"), "w") as f:

@@ -161,4 +161,12 @@ def test_witness_timing_rows_checked_against_dense(tmp_path):
         assert all(1 <= a <= 31 for a in shares) and sum(shares.values()) <= 1.001
     saved = json.loads((tmp_path / "witness_timing.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(rows))
-    assert "| code2 | 128 | 8.000 | True |" in (tmp_path / "witness_timing.md").read_text()
+    assert "| code2 | 128 | 8.000 | 0 | True |" in (tmp_path / "witness_timing.md").read_text()
+    # two key splits: the kernels' pipeline called directly (interpreted here, while the
+    # public rows above ran the CPU's reference backend), checked against the kernels' dense
+    two = witness_timing.main(["--cases", "code2", "--widths", "0", "--survivor-costs", "8",
+                               "--splits", "2", "--no-stages", "--length", "4096",
+                               "--queries", "4", "--repeats", "1", "--out", str(tmp_path)])
+    assert [(r["splits"], r["eq"]) for r in two] == [(2, True)]
+    assert 0 < two[0]["surv_all"] <= 1 and two[0]["seeds_mean"] > 0
+    assert all(two[0][f"{s}_ms"] is None for s in witness_timing.STAGES)
