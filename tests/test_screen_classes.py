@@ -138,3 +138,12 @@ def test_budget_between_classes_goes_to_the_next_class():
     got = unpack_survivors(surv.packed, surv.count, T, N)
     assert np.all((got == m) | near)
     assert int(got.sum()) > 0
+
+
+def test_budget_block_follows_the_share():
+    """Queries sharing one automatic budget: the whole wave, the widest screening program of
+    the classes (8 queries in the default "kc" screen), or each query alone."""
+    classes = (3, 7, 15)
+    assert pipeline.budget_block(classes, 1, 2048, TILES_KC) == 2048
+    assert pipeline.budget_block(classes, 1, 2048, TILES_KC._replace(budget_share="program")) == 8
+    assert pipeline.budget_block(classes, 1, 2048, TILES_KC._replace(budget_share="query")) == 1
