@@ -37,8 +37,8 @@ import os
 import numpy as np
 
 
-COLS = ("case", "W", "kappa", "splits", "eq", "ms", "dense_ms", "seeds_ms", "screen_ms", "refine_ms", "surv_all",
-        "surv_screened", "records", "overflow", "recovered", "dense", "budget_mean", "tau_over",
+COLS = ("case", "W", "kappa", "splits", "eq", "ms", "dense_ms", "seeds_ms", "screen_ms",
+        "refine_ms", "surv_all", "surv_screened", "records", "overflow", "recovered", "dense", "budget_mean", "tau_over",
         "seeds_mean", "budgets", "terms", "predicted")
 
 
@@ -116,7 +116,8 @@ def measure(case_name: str, widths, *, T: int, N: int, repeats: int, kappas=(Non
         rec = np.asarray(st.recoveries) > 0
         surv = np.asarray(st.survivors, np.float64)
         vis = np.asarray(st.visible, np.float64)
-        yield dict(case=case_name, W=W, kappa=kappa, splits=S, eq=eq, ms=t * 1e3, dense_ms=t_dense * 1e3,
+        yield dict(case=case_name, W=W, kappa=kappa, splits=S, eq=eq, ms=t * 1e3,
+                   dense_ms=t_dense * 1e3,
                    **{f"{n}_ms": x for n, x in zip(STAGES, t_stage)},
                    surv_all=surv.sum() / vis.sum(),
                    surv_screened=surv[~rec].sum() / max(vis[~rec].sum(), 1),
