@@ -38,8 +38,8 @@ import numpy as np
 
 
 COLS = ("case", "W", "kappa", "splits", "eq", "ms", "dense_ms", "seeds_ms", "screen_ms",
-        "refine_ms", "surv_all", "surv_screened", "records", "overflow", "recovered", "dense", "budget_mean", "tau_over",
-        "seeds_mean", "budgets", "terms", "predicted")
+        "refine_ms", "surv_all", "surv_screened", "records", "overflow", "recovered", "dense",
+        "budget_mean", "tau_over", "seeds_mean", "budgets", "terms", "predicted")
 
 
 @functools.lru_cache(maxsize=None)
