@@ -182,7 +182,8 @@ def headline(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
 def cost_terms_fn(cfg: dosa_jax.Config):
     """Jitted (q, k, w, k_scale, lo, hi) -> the pallas dense switch's cost terms
     (``pallas_kernels.pipeline.call_cost_terms``): screen rows, refined keys and densely
-    scanned keys per key of the call's ranges, for calibrating its constants. None where
+    scanned keys per key of the call's ranges, and H over the mean range (the per-query
+    term), for calibrating its constants. None where
     the config does not resolve to the kernels (the reference backend has no switch)."""
     if dosa_jax.backend.resolve_backend(cfg.backend) != "pallas":
         return None
@@ -206,7 +207,7 @@ def matrix(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
             ("screened_ms", "DoSA, always screened, ms"),
             ("dense_over_screened", "dense/screened"), ("predicted_cost", "predicted DoSA/dense"),
             ("dense_share", "queries answered densely"),
-            ("cost_terms", "cost terms (screen, refine, dense)"),
+            ("cost_terms", "cost terms (screen, refine, dense, per query)"),
             ("overflow_share", "screened: queries overflowed"),
             ("recovery_share", "screened: queries rescanned"),
             ("dense_share_screened", "screened: queries in the dense pass"),

@@ -88,8 +88,9 @@ class Config:
       dense_switch: on the pallas backend, a call whose predicted ratio of DoSA's time
         to the dense scan's exceeds this is answered by the dense scan from θ₀ = τ
         (exact either way; ``Stats.dense``, ``Stats.predicted_cost``). None: the
-        backend's default (``pallas_kernels.pipeline.DENSE_SWITCH``); ``inf``: always
-        screen. The reference backend always screens.
+        backend's default (``pallas_kernels.pipeline.DENSE_SWITCH`` on a GPU; kernels in
+        interpret mode always screen); ``inf``: always screen. The reference backend always
+        screens.
       context_axis: name of a ``shard_map`` mesh axis over which the keys are sharded
         contiguously (context parallel, :mod:`dosa_jax.context_parallel`): ``topk`` and
         ``dense_topk`` then take this device's key slice with global ``lo``/``hi`` and

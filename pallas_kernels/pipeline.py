@@ -50,7 +50,8 @@ from dosa_jax.tiling import round_up_to
 from pallas_kernels import dense as dense_mod
 from pallas_kernels import numerics as knum
 from pallas_kernels import records as rec
-from pallas_kernels.common import MAX_KEYS, THETA_NONE, group_ranges, next_pow2
+from pallas_kernels.common import (MAX_KEYS, THETA_NONE, group_ranges, interpret_default,
+                                   next_pow2)
 from pallas_kernels.operands import capacity_for, prepare_key_operands, prepare_operands
 from pallas_kernels.refine import refine
 from pallas_kernels.screen import (Survivors, aggregate_column_count, aggregate_columns,
@@ -138,51 +139,74 @@ DIRECT_LIST_USE = float("inf")
 #: The call runs the dense scan for every query (seeded from τ) when the predicted ratio of
 #: DoSA's time to the dense scan's (:func:`predicted_cost_ratio`) exceeds this: screening
 #: cannot pay on such a call, and the decision costs only the planner's sample of a few
-#: groups. ``Config.dense_switch`` overrides it (``inf``: never).
-DENSE_SWITCH = 0.7
+#: groups. ``Config.dense_switch`` overrides it (``inf``: never). The model is fitted to the
+#: measured ratio itself, so break-even is 1.
+DENSE_SWITCH = 1.0
 #: The cost model's constants, in units of the dense scan's cost per (query, key): the
 #: screen's cost per plan row (the rows r + A of a query's class, over H), the refinement's
-#: per key of a group's survivor union, and the fixed part (seeds, compaction, planning).
-#: Values and the measurement that chose them: BENCHMARKS.md (matrix).
-SCREEN_ROW_COST = 0.64
-REFINE_KEY_COST = 1.33
-FIXED_COST = 0.07
+#: per key of a group's survivor union, the dense pass's per key of the groups it scans, and
+#: the work per query that does not grow with its range (planning, seed selection, record
+#: gathering), in keys of the dense scan per head. Values and the measurement that chose them
+#: (a least-squares fit to the always-screened time over the dense time of every matrix case
+#: at N = 128K and 1M, H = 32 and 64): BENCHMARKS.md (matrix).
+SCREEN_ROW_COST = 0.56
+REFINE_KEY_COST = 2.54
+DENSE_PASS_COST = 1.30
+PER_QUERY_COST = 564.0
+
+
+def default_dense_switch(interpret=None) -> float:
+    """The switch of a call with ``Config.dense_switch=None``: :data:`DENSE_SWITCH` on the GPU,
+    +inf (always screen) when the kernels are interpreted (``interpret``, default: no GPU). The
+    cost model prices the GPU's kernels, not the interpreter's, and a run in interpret mode is a
+    check, which should exercise the screening kernels."""
+    if interpret is None:
+        interpret = interpret_default()
+    return float("inf") if interpret else DENSE_SWITCH
+
+
 #: Groups of 4 queries sampled for the call-level decision (strided over the call).
 SWITCH_SAMPLE_GROUPS = 256
 
 
 def predicted_cost_terms(direct_g, rows_g, use_g, range_g, H: int):
-    """The cost model's three work terms [3] from a sample of groups of 4 queries, each in
-    units of the dense scan's work over the sampled groups' ranges (Σ range_g, with
+    """The cost model's four work terms [4] from a sample of groups of 4 queries, the first
+    three in units of the dense scan's work over the sampled groups' ranges (Σ range_g, with
     ``range_g`` = max hi − min lo of a group):
 
-        screen:  Σ_screened (rows_g / H)·range_g / Σ range_g   (plan rows r + A per key)
-        refine:  Σ_screened use_g / Σ range_g                   (keys of the survivor unions)
-        dense:   Σ_dense range_g / Σ range_g                    (groups scanned from θ₀ = τ)
+        screen:     Σ_screened (rows_g / H)·range_g / Σ range_g   (plan rows r + A per key)
+        refine:     Σ_screened use_g / Σ range_g                   (keys of the survivor unions)
+        dense:      Σ_dense range_g / Σ range_g                    (scanned from θ₀ = τ)
+        per query:  H / mean range_g over the groups that see keys (work per query that does
+                    not grow with the range, relative to the dense scan's per query)
 
     ``rows_g`` is the plan rows of the group's widest query, ``use_g`` its predicted
     survivor union (:func:`predicted_list_use`), ``direct_g`` the dense-group rule.
     """
     rng = jnp.maximum(range_g, 0).astype(jnp.float32)
     total = jnp.maximum(jnp.sum(rng), 1.0)
+    seeing = jnp.sum(rng > 0).astype(jnp.float32)
     screened = ~direct_g
     return jnp.stack([
         jnp.sum(jnp.where(screened, (rows_g.astype(jnp.float32) / H) * rng, 0.0)) / total,
         jnp.sum(jnp.where(screened, use_g.astype(jnp.float32), 0.0)) / total,
-        jnp.sum(jnp.where(screened, 0.0, rng)) / total])
+        jnp.sum(jnp.where(screened, 0.0, rng)) / total,
+        jnp.where(seeing > 0, H * seeing / total, 0.0)])
 
 
 def predicted_cost_ratio(terms, *, screen_row_cost: float = SCREEN_ROW_COST,
                          refine_key_cost: float = REFINE_KEY_COST,
-                         fixed_cost: float = FIXED_COST):
+                         dense_pass_cost: float = DENSE_PASS_COST,
+                         per_query_cost: float = PER_QUERY_COST):
     """Predicted time of DoSA over the dense scan's from :func:`predicted_cost_terms`.
 
     The cost form of Eq. 18–21 with measured per-kernel weights:
-    a·screen + κ·refine + dense + fixed, with a = ``screen_row_cost``,
-    κ = ``refine_key_cost``. A speed heuristic only: it decides which exact path
-    answers, never the answer.
+    a·screen + κ·refine + d·dense + f·(per query), with a = ``screen_row_cost``,
+    κ = ``refine_key_cost``, d = ``dense_pass_cost``, f = ``per_query_cost``. A speed
+    heuristic only: it decides which exact path answers, never the answer.
     """
-    return (screen_row_cost * terms[0] + refine_key_cost * terms[1] + terms[2] + fixed_cost)
+    return (screen_row_cost * terms[0] + refine_key_cost * terms[1]
+            + dense_pass_cost * terms[2] + per_query_cost * terms[3])
 
 
 def predicted_list_use(kept, valid, lo, hi, Tpad4: int):
@@ -350,7 +374,8 @@ def dosa_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), split
         return _dense_pass(idx, sc, stats, direct, theta, q, w, k, k_scale, lo, hi, K=config.top_k,
                            tiles=tiles, interpret=interpret, keyside=keyside)
 
-    switch = DENSE_SWITCH if config.dense_switch is None else config.dense_switch
+    switch = (default_dense_switch(interpret) if config.dense_switch is None
+              else config.dense_switch)
     if switch == float("inf"):
         return screened(None)
     ratio = predicted_cost_ratio(

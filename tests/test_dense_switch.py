@@ -32,7 +32,8 @@ def test_every_path_equals_dense_bitwise_and_is_counted():
     args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)
     didx, dsc = pipeline.dense_topk(*args, base, tiles=TILES, splits=2)
     switched = _run(base.replace(dense_switch=1e-6), inp)          # any prediction exceeds it
-    auto = _run(base, inp, wave=8)                                  # two waves, default switch
+    # two waves, the GPU's default switch (interpret mode's default screens: next assertions)
+    auto = _run(base.replace(dense_switch=pipeline.DENSE_SWITCH), inp, wave=8)
     for idx, sc, _ in (switched, auto):
         np.testing.assert_array_equal(np.asarray(idx), np.asarray(didx))
         np.testing.assert_array_equal(np.asarray(sc), np.asarray(dsc))
@@ -44,6 +45,8 @@ def test_every_path_equals_dense_bitwise_and_is_counted():
     assert np.all(np.isfinite(ratio)) and np.all(ratio == ratio[0]) and ratio[0] > 0
     # the default path made the same prediction (the screened path makes none: next test)
     np.testing.assert_array_equal(np.asarray(auto[2].predicted_cost), ratio)
+    assert pipeline.default_dense_switch(interpret=False) == pipeline.DENSE_SWITCH
+    assert pipeline.default_dense_switch(interpret=True) == float("inf")
 
 
 def test_deferred_direct_groups_are_answered_by_one_dense_pass():
@@ -76,15 +79,41 @@ def test_predicted_cost_is_the_range_weighted_model():
     use = jnp.array([0.0, 50.0, 10.0])
     rng = jnp.array([100, 200, 300])
     terms = np.asarray(pipeline.predicted_cost_terms(direct, rows, use, rng, 32))
-    np.testing.assert_allclose(terms, [(8 / 32 * 200 + 16 / 32 * 300) / 600, 60 / 600, 100 / 600],
-                               rtol=1e-6)
+    np.testing.assert_allclose(terms, [(8 / 32 * 200 + 16 / 32 * 300) / 600, 60 / 600, 100 / 600,
+                                       32 / (600 / 3)], rtol=1e-6)
     got = float(pipeline.predicted_cost_ratio(terms, screen_row_cost=0.5, refine_key_cost=2.0,
-                                              fixed_cost=0.1))
-    want = (100 + (0.5 * 8 / 32 * 200 + 2 * 50) + (0.5 * 16 / 32 * 300 + 2 * 10)) / 600 + 0.1
+                                              dense_pass_cost=1.5, per_query_cost=10.0))
+    want = (1.5 * 100 + (0.5 * 8 / 32 * 200 + 2 * 50) + (0.5 * 16 / 32 * 300 + 2 * 10)) / 600 \
+        + 10.0 * 32 / 200
     assert got == pytest.approx(want, rel=1e-6)
+    # a group that sees no key adds nothing to the per-query term's mean range
+    some = np.asarray(pipeline.predicted_cost_terms(
+        jnp.array([False, False]), jnp.array([8, 8]), jnp.array([1.0, 0.0]),
+        jnp.array([400, 0]), 32))
+    assert some[3] == pytest.approx(32 / 400, rel=1e-6)
     # empty ranges cost nothing and do not divide by zero
     empty = pipeline.predicted_cost_terms(direct[:1], rows[:1], use[:1], jnp.array([0]), 32)
-    assert float(pipeline.predicted_cost_ratio(empty, fixed_cost=0.0)) == 0.0
+    assert float(pipeline.predicted_cost_ratio(empty)) == 0.0
+
+
+def test_default_cost_model_separates_the_measured_matrix():
+    """The default constants against the H200 matrix they were fitted to: every case whose
+    always-screened call ran slower than the dense scan is predicted above the switch, every
+    faster one below (the cost terms and times are the committed measurement)."""
+    import json
+    import pathlib
+    res = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+    cases = 0
+    for name in ("matrix_1m_h32.json", "matrix_1m_h64.json", "matrix_128k.json"):
+        for r in json.loads((res / name).read_text())["rows"]:
+            if len(r["cost_terms"]) < 4:   # measured before the per-query term: add it
+                H = int(r["case"].split("_H")[1])
+                r["cost_terms"] = list(r["cost_terms"]) + [H / (r["N"] - 8192)]
+            pred = float(pipeline.predicted_cost_ratio(jnp.asarray(r["cost_terms"])))
+            faster = r["dense_over_screened"] > 1.0
+            assert (pred < pipeline.DENSE_SWITCH) == faster, (name, r["case"], pred)
+            cases += 1
+    assert cases == 32
 
 
 def test_dense_switch_is_validated():
