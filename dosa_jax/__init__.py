@@ -14,7 +14,7 @@ import importlib
 
 from dosa_jax.api import dense_topk, exact_topk, score, sharded_topk, topk
 from dosa_jax.config import Config
-from dosa_jax.api import decode_topk
+from dosa_jax.api import decode_topk, sharded_decode_topk
 from dosa_jax.decode import DecodeState, decode_init
 from dosa_jax.inputs import IndexerInputs, causal_ranges
 from dosa_jax.results import Stats, TopKResult
@@ -22,7 +22,7 @@ from dosa_jax.results import Stats, TopKResult
 __all__ = [
     "Config", "IndexerInputs", "Stats", "TopKResult", "causal_ranges", "dense_topk",
     "exact_topk", "score", "sharded_topk", "topk",
-    "DecodeState", "decode_init", "decode_topk",
+    "DecodeState", "decode_init", "decode_topk", "sharded_decode_topk",
 ]
 __version__ = "0.1.0"
 

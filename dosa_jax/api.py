@@ -27,7 +27,8 @@ from dosa_jax.results import Stats, TopKResult
 from dosa_jax.scorer import score_matrix
 
 __all__ = ["IMPLEMENTATIONS", "Implementation", "Stats", "TopKResult", "decode_topk",
-           "dense_topk", "exact_topk", "implementation", "resolve_backend", "score", "sharded_topk", "topk"]
+           "dense_topk", "exact_topk", "implementation", "resolve_backend", "score",
+           "sharded_decode_topk", "sharded_topk", "topk"]
 
 
 class Implementation(NamedTuple):
@@ -225,18 +226,35 @@ def decode_topk(q, k, w, state: "decode.DecodeState", *, k_scale=None, lengths=N
       sequence's queries over its first ``lengths[b]`` keys on the same backend.
     """
     config = decode.decode_config(config)
+    devices = 1 if config.context_axis is None else context_parallel.axis_geometry(
+        config.context_axis, 1)[0]
     q, k, w, ids, k_scale, lengths, page_table, squeeze = decode.check_decode_inputs(
-        q, k, w, state, k_scale, lengths, page_table)
-    sg = lax.stop_gradient
-    args = (sg(q), sg(k), sg(w), ids, None if k_scale is None else sg(k_scale), lengths,
-            page_table, config)
-    idx, sc, stats, nxt = _dispatch(config.backend, "decode_topk", *args)
-    sc = decode.differentiable_scores(q, k, w, k_scale, page_table, idx, sc)
+        q, k, w, state, k_scale, lengths, page_table, devices=devices)
+    if config.context_axis is not None:   # keys sharded along a mesh axis, positions global
+        idx, sc, stats, nxt = context_parallel.decode_topk(
+            q, k, w, ids, k_scale, lengths, page_table, config, dispatch=_dispatch)
+    else:
+        sg = lax.stop_gradient
+        args = (sg(q), sg(k), sg(w), ids, None if k_scale is None else sg(k_scale), lengths,
+                page_table, config)
+        idx, sc, stats, nxt = _dispatch(config.backend, "decode_topk", *args)
+        sc = decode.differentiable_scores(q, k, w, k_scale, page_table, idx, sc)
     new_state = decode.DecodeState(decode.fit_witnesses(nxt, ids.shape[1]))
     if squeeze:
         idx, sc = idx[:, 0], sc[:, 0]
         stats = jax.tree_util.tree_map(lambda x: x[:, 0], stats)
     return TopKResult(idx, sc, stats), new_state
+
+
+def sharded_decode_topk(q, k, w, state: "decode.DecodeState", *, mesh, axis: str = "cp",
+                        k_scale=None, lengths=None, config: Optional[Config] = None):
+    """One decode step with the sequences' keys sharded along mesh ``axis`` (context
+    parallel), the ``jax.shard_map`` done here: :func:`dosa_jax.context_parallel.
+    sharded_decode_topk` (contiguous keys [B, N, D]). Indices and scores bitwise the
+    unsharded :func:`decode_topk`'s."""
+    return context_parallel.sharded_decode_topk(q, k, w, state, mesh=mesh, axis=axis,
+                                                k_scale=k_scale, lengths=lengths, config=config,
+                                                step=decode_topk)
 
 
 def score(q, k, w, k_scale=None, lo=None, hi=None, config: Optional[Config] = None):

@@ -85,9 +85,10 @@ from dosa_jax.scorer import score_ids_blocked
 from dosa_jax.selection import INT32_MIN, key_to_score, order_key, select_records
 from dosa_jax.tiling import map_query_tiles, round_up_to
 
-__all__ = ["at_or_above", "collective_bytes", "collective_bytes_per_query", "dense_topk",
-           "local_pass", "per_device_stats", "reference_dispatch",
-           "shared_seed_threshold", "sharded_topk", "topk"]
+__all__ = ["at_or_above", "collective_bytes", "collective_bytes_per_query", "decode_topk",
+           "dense_topk", "local_pass", "merge_witnesses", "per_device_stats",
+           "reference_decode_dispatch", "reference_dispatch", "shared_seed_threshold",
+           "sharded_decode_topk", "sharded_topk", "topk"]
 
 #: Statistics summed over devices, and combined by maximum (``pruning`` as its negation).
 SUMMED = ("visible", "seeds", "screened", "survivors", "records", "overflows", "recoveries")
@@ -105,8 +106,9 @@ def axis_geometry(axis: str, n_local: int):
         d = lax.axis_index(axis)
     except (NameError, KeyError, ValueError) as e:
         raise ValueError(f"Config.context_axis={axis!r}: not a mesh axis of the enclosing "
-                         f"jax.shard_map (call topk inside shard_map over {axis!r}, or use "
-                         f"dosa_jax.sharded_topk): {e}") from e
+                         f"jax.shard_map (call topk / decode_topk inside shard_map over "
+                         f"{axis!r}, or use dosa_jax.sharded_topk / sharded_decode_topk): "
+                         f"{e}") from e
     return int(P), d, (d * n_local).astype(jnp.int32)
 
 
@@ -391,6 +393,101 @@ def dense_topk(q, k, w, k_scale, lo, hi, config: Config, *, dispatch=None) -> To
     return TopKResult(idx, sc, {"visible": hi - lo})
 
 
+# ---- decode ---------------------------------------------------------------------------------
+
+def _local_capacity(k, page_table) -> int:
+    """Sequence positions per device: N of contiguous keys [B, N, D], or max_pages · page."""
+    return k.shape[1] if page_table is None else page_table.shape[1] * k.shape[1]
+
+
+def merge_witnesses(ids, keys, n: int, axis: str, P: int):
+    """The ``n`` best (global ids, order keys) [T, n] of every device's next witnesses: one
+    all-gather of [T, 2n] int32 per device and a Top-n. No id is on two devices' lists (each
+    device keeps the keys it holds), so the result is the best ``n`` of what all looked at."""
+    if P == 1:
+        return ids
+    allr = lax.all_gather(jnp.concatenate([keys, ids], axis=1), axis)    # [P, T, 2n]
+    T = allr.shape[1]
+    gk = jnp.moveaxis(allr[:, :, :n], 0, 1).reshape(T, P * n)
+    gi = jnp.moveaxis(allr[:, :, n:], 0, 1).reshape(T, P * n)
+    top_key, pos = lax.top_k(gk, n)
+    return jnp.where(top_key == INT32_MIN, -1, jnp.take_along_axis(gi, pos, axis=1))
+
+
+def decode_topk(q, k, w, ids, k_scale, lengths, page_table, config: Config, *, dispatch=None):
+    """Context-parallel decode step inside ``shard_map`` over ``config.context_axis``, on
+    validated inputs (``dosa_jax.decode_topk`` routes here): q [B, M, H, D] and w, ``ids``
+    (the witnesses, global positions) and ``lengths`` (global) the same on every device;
+    k this device's keys — contiguous [B, n, D], positions [d·n, (d+1)·n) of each
+    sequence, or paged: this device's pool [P, page, D] and ``page_table`` [B, max_pages]
+    its pages of positions [d·n, (d+1)·n), n = max_pages · page.
+
+    Three steps, as :func:`topk`'s: (1) each device scores the witnesses it holds and one
+    all-reduce (max, W int32 per query) gives every device every witness's key, so τ_w is
+    the unsharded step's; (2) the backend's decode step on the local keys with that τ_w;
+    (3) the exact merge of the per-device Top-K lists, and the next witnesses: the best
+    W / M of the devices' own (one all-gather of 2·W / M int32 per query).
+
+    Returns (indices [B, M, K] global positions, scores, DecodeStats summed over devices,
+    except ``tau_witness`` (the shared τ_w) and ``overflow`` (any device), next witnesses
+    [B, M, W / M]), the same on every device of the axis; indices and scores bitwise the
+    unsharded ``decode_topk``'s.
+    """
+    from dosa_jax.decode import DecodeStats, selected_rows, key_table, witness_budget
+    axis = config.context_axis
+    B, M = q.shape[:2]
+    K = config.top_k
+    n_local = _local_capacity(k, page_table)
+    P, _, offset = axis_geometry(axis, n_local)
+    lengths_l = jnp.clip(lengths - offset, 0, n_local).astype(jnp.int32)
+    ids_l = to_local_ids(ids, offset, n_local)
+    combine = (lambda x: lax.pmax(x, axis)) if P > 1 else (lambda x: x)
+    cq, ck, cw, cs = (None if x is None else lax.stop_gradient(x) for x in (q, k, w, k_scale))
+    cq, ck, cw, cs, lengths_l, ids_l = same_varying_axes(cq, ck, cw, cs, lengths_l, ids_l)
+    pt = None if page_table is None else same_varying_axes(page_table, cq)[0]
+    idx, sc, st, (nid, nkey) = (dispatch or reference_decode_dispatch)(
+        config.backend, "decode_topk", cq, ck, cw, ids_l, cs, lengths_l, pt,
+        config.replace(context_axis=None), combine=combine)
+    T = B * M
+    carry = witness_budget(ids.shape[1], M)
+    idx = to_global_ids(idx.reshape(T, K), offset)
+    idx, sc = merge_candidates(idx, sc.reshape(T, K), config, P)
+    nxt = merge_witnesses(to_global_ids(nid.reshape(T, carry), offset),
+                          jnp.where(nid >= 0, nkey, INT32_MIN).reshape(T, carry), carry,
+                          axis, P)
+    words = lambda x: x.reshape(T, 1).astype(jnp.int32)
+    sums = lax.psum(jnp.concatenate([words(st.witnesses), words(st.candidates)], axis=1), axis)
+    extra = jnp.concatenate([nxt, sums, words(st.overflow),
+                             order_key(st.tau_witness.reshape(T, 1))], axis=1)
+    idx, sc, extra = replicated(idx, sc, axis, extra)
+    nxt = extra[:, :carry]
+    stats = DecodeStats(visible=jnp.broadcast_to(lengths[:, None], (B, M)).astype(jnp.int32),
+                        witnesses=extra[:, carry].reshape(B, M),
+                        tau_witness=key_to_score(extra[:, carry + 3]).reshape(B, M),
+                        candidates=extra[:, carry + 1].reshape(B, M),
+                        overflow=extra[:, carry + 2].reshape(B, M))
+    # gradients: each device differentiates the rows it holds, an all-reduce sums them
+    local = to_local_ids(lax.stop_gradient(idx), offset, n_local).reshape(B, M, K)
+    rows = selected_rows(k, page_table, local).reshape(T, K)
+    flat_k, flat_s = key_table(k, k_scale)
+    rows = same_varying_axes(rows, flat_k)[0]
+    H, D = q.shape[2], q.shape[3]
+    sc = selected_scores_sharded(q.reshape(T, H, D), flat_k, w.reshape(T, H), flat_s, rows, sc,
+                                 axis)
+    r = lambda x: x.reshape(B, M, *x.shape[1:])
+    return r(lax.stop_gradient(idx)), r(sc), stats, r(nxt)
+
+
+def reference_decode_dispatch(backend: str, op: str, *args, **kwargs):
+    """``dispatch`` for :func:`decode_topk` without the api: the reference decode step."""
+    if "reference" not in candidates(backend):
+        raise NotImplementedError(
+            f"context-parallel {op} for backend={backend!r}: the kernels are reached through "
+            "the api's dispatch table; call dosa_jax.decode_topk / dosa_jax.sharded_decode_topk")
+    from dosa_jax.decode import decode_topk_reference
+    return decode_topk_reference(*args, **kwargs)
+
+
 # ---- the shard_map wrapper ----------------------------------------------------------------
 
 def _shard_map():
@@ -525,3 +622,49 @@ def collective_bytes(hlo_text: str) -> dict:
         n = math.prod(int(x) for x in dims.split(",") if x) if dims else 1
         out[kind] = out.get(kind, 0) + n * _ITEMSIZE.get(dtype, 4)
     return out
+
+
+def sharded_decode_topk(q, k, w, state, *, mesh, axis: str = "cp", k_scale=None, lengths=None,
+                        config: Optional[Config] = None, step):
+    """One decode step with each sequence's keys sharded along mesh axis ``axis`` (the
+    ``shard_map`` done): k [B, N, D] contiguous (N a multiple of the axis size; e.g. placed
+    under ``NamedSharding(mesh, P(None, axis))``), k_scale [B, N], q/w/lengths/state as
+    ``dosa_jax.decode_topk``'s. Returns (TopKResult, DecodeState) bitwise equal, in indices
+    and scores, to the unsharded ``decode_topk``; the state is the same on every device.
+
+    Paged keys under context parallelism: call ``dosa_jax.decode_topk`` with
+    ``Config(context_axis=axis)`` inside your ``shard_map``, each device passing its own page
+    pool and the page table of its positions (:func:`decode_topk`).
+
+    ``step``: the decode step run inside the ``shard_map`` (``dosa_jax.decode_topk``, which
+    ``dosa_jax.sharded_decode_topk`` passes).
+    """
+    from dosa_jax.decode import DecodeState, check_decode_inputs, decode_config
+    config = decode_config(config).replace(context_axis=axis)
+    if axis not in mesh.shape:
+        raise ValueError(f"mesh has no axis {axis!r} (axes: {tuple(mesh.shape)})")
+    if getattr(k, "ndim", 0) != 3:
+        raise ValueError(f"k must have shape [B, N, D] (contiguous keys), got "
+                         f"{getattr(k, 'shape', None)}")
+    Pk = mesh.shape[axis]
+    if k.shape[1] % Pk:
+        raise ValueError(f"k has N={k.shape[1]} keys per sequence, not a multiple of mesh axis "
+                         f"{axis!r} of size {Pk}")
+    if lengths is None:
+        lengths = jnp.full((k.shape[0],), k.shape[1], jnp.int32)
+    q2, k, w2, ids, k_scale, lengths, _, squeeze = check_decode_inputs(
+        q, k, w, state, k_scale, lengths, None)
+    rep, ks = PartitionSpec(), PartitionSpec(None, axis)
+    has_scale = k_scale is not None
+
+    def body(q, k, w, ids, lengths, *s):
+        return tuple(step(q, k, w, DecodeState(ids), k_scale=s[0] if s else None,
+                          lengths=lengths, config=config))
+
+    args = (q2, k, w2, ids, lengths) + ((k_scale,) if has_scale else ())
+    specs = (rep, ks, rep, rep, rep) + ((ks,) if has_scale else ())
+    res, new_state = _shard_map()(body, mesh=mesh, in_specs=specs, out_specs=rep)(*args)
+    res = TopKResult(*res) if not isinstance(res, TopKResult) else res
+    if squeeze:
+        res = jax.tree_util.tree_map(lambda x: x[:, 0], res)
+    return res, new_state

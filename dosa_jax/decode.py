@@ -61,9 +61,8 @@ WITNESS_FACTOR = 4
 
 __all__ = ["DecodeState", "DecodeStats", "MAX_QUERIES", "WITNESS_FACTOR", "best_witnesses",
            "candidate_capacity", "decode_config", "decode_init", "decode_topk_reference",
-           "differentiable_scores",
-           "distinct_pool", "fit_witnesses", "looked_at", "select_with_witnesses", "witness_budget",
-           "witness_threshold"]
+           "differentiable_scores", "distinct_pool", "fit_witnesses", "key_table", "looked_at",
+           "select_with_witnesses", "selected_rows", "witness_budget", "witness_threshold"]
 
 
 class DecodeState(NamedTuple):
@@ -143,12 +142,15 @@ def _check_int_array(name, x, shape):
     return jnp.asarray(x).astype(jnp.int32)
 
 
-def check_decode_inputs(q, k, w, state, k_scale, lengths, page_table):
+def check_decode_inputs(q, k, w, state, k_scale, lengths, page_table, *, devices: int = 1):
     """Validate and normalise the decode arguments, naming the argument at fault.
 
+    ``devices``: the keys are this device's slice of a sequence sharded over that many devices
+    (context parallel): ``lengths`` are global, up to ``devices`` times the local capacity.
+
     Returns (q [B, M, H, D], k, w [B, M, H] float32, ids [B, W] int32, k_scale or None,
-    lengths [B] int32 clipped to [0, capacity], page_table [B, max_pages] int32 or None,
-    squeeze: q was [B, H, D]).
+    lengths [B] int32 clipped to [0, devices · capacity], page_table [B, max_pages] int32 or
+    None, squeeze: q was [B, H, D]).
     """
     for name, x in (("q", q), ("k", k), ("w", w)):
         _array(name, x)
@@ -208,6 +210,7 @@ def check_decode_inputs(q, k, w, state, k_scale, lengths, page_table):
                              f"axes), got {tuple(k_scale.shape)}")
         if jnp.dtype(k_scale.dtype) != jnp.dtype(jnp.float32):
             raise TypeError(f"k_scale must be float32, got {k_scale.dtype}")
+    capacity *= devices
     if lengths is None:
         lengths = jnp.full((B,), capacity, jnp.int32)
     lengths = jnp.clip(_check_int_array("lengths", lengths, (B,)), 0, capacity)
@@ -228,9 +231,14 @@ def decode_config(config) -> Config:
 
 # ------------------------------------------------------------------ the selection (pure jnp)
 
-def witness_threshold(keys: Array, witness_ids: Array, length, K: int):
+def witness_threshold(keys: Array, witness_ids: Array, length, K: int, combine=None):
     """τ_w as an order key per query: the K-th largest current key of the distinct visible
     witnesses (Eq. 2), ``ACCEPT_ALL`` with fewer than K of them.
+
+    ``combine`` (optional) maps the witnesses' keys [M, W] to the keys τ_w is taken from: under
+    context parallelism an all-reduce (max) over the devices, each holding the keys of the
+    witnesses it stores (:func:`dosa_jax.context_parallel.decode_topk`); the returned keys stay
+    this device's own.
 
     Args:
       keys: [M, Npad] int32 order keys of every key of the sequence (``INT32_MIN`` where
@@ -248,7 +256,7 @@ def witness_threshold(keys: Array, witness_ids: Array, length, K: int):
     n_wit = jnp.sum(first, dtype=jnp.int32)
     if wk.shape[1] < K:
         return jnp.full((keys.shape[0],), ACCEPT_ALL, jnp.int32), n_wit, wk
-    kth = lax.top_k(wk, K)[0][:, K - 1]
+    kth = lax.top_k(wk if combine is None else combine(wk), K)[0][:, K - 1]
     return jnp.where(kth == INT32_MIN, ACCEPT_ALL, kth), n_wit, wk
 
 
@@ -257,13 +265,17 @@ def witness_budget(W: int, M: int) -> int:
     return max(1, W // M)
 
 
-def best_witnesses(keys: Array, ids: Array, n: int) -> Array:
-    """Ids [M, n] of the ``n`` largest order keys of rows ``keys`` [M, P] (−1 where
-    ``INT32_MIN``, and beyond P): the witnesses carried to the next step."""
+def best_witnesses(keys: Array, ids: Array, n: int):
+    """(ids, order keys) [M, n] of the ``n`` largest order keys of rows ``keys`` [M, P] (−1 /
+    ``INT32_MIN`` where ``INT32_MIN``, and beyond P): the witnesses carried to the next step,
+    with their current keys (what merges them across devices)."""
     nn = min(n, keys.shape[1])
     top_key, top_pos = lax.top_k(keys, nn)
     out = jnp.where(top_key == INT32_MIN, -1, jnp.take_along_axis(ids, top_pos, axis=1))
-    return jnp.pad(out, ((0, 0), (0, n - nn)), constant_values=-1) if nn < n else out
+    if nn < n:
+        out = jnp.pad(out, ((0, 0), (0, n - nn)), constant_values=-1)
+        top_key = jnp.pad(top_key, ((0, 0), (0, n - nn)), constant_values=INT32_MIN)
+    return out, top_key
 
 
 def looked_at(buffer_keys, buffer_ids, witness_keys, witness_ids, theta):
@@ -342,17 +354,18 @@ def _all_ids(keys: Array) -> Array:
 
 
 def select_with_witnesses(scores: Array, length, witness_ids: Array, K: int, capacity: int,
-                          carry: int):
+                          carry: int, combine=None):
     """One sequence's decode selection from its scores [M, Npad] (keys ≥ ``length`` invisible).
 
     Returns (indices [M, K], scores [M, K], DecodeStats of [M] arrays, the next step's
-    witnesses [M, carry]: :func:`best_witnesses` of the candidates and the witnesses, or
-    of every key for rows that overflowed the buffer).
+    witnesses (ids, order keys) [M, carry]: :func:`best_witnesses` of the candidates and the
+    witnesses, or of every key for rows that overflowed the buffer). ``combine``: as
+    :func:`witness_threshold`'s.
     """
     M, n = scores.shape
     vis = jnp.arange(n, dtype=jnp.int32)[None, :] < length
     keys = jnp.where(vis, order_key(scores), INT32_MIN)
-    theta, n_wit, wk = witness_threshold(keys, witness_ids, length, K)
+    theta, n_wit, wk = witness_threshold(keys, witness_ids, length, K, combine)
     if capacity >= n:   # the buffer holds every key: select directly (same answer)
         idx, sc = _select_keys(keys, K)
         count = jnp.sum((keys != INT32_MIN) & (keys >= theta[:, None]), axis=1, dtype=jnp.int32)
@@ -361,8 +374,10 @@ def select_with_witnesses(scores: Array, length, witness_ids: Array, K: int, cap
     else:
         idx, sc, count, over, (ck, ci) = select_compacted(keys, theta, K, capacity)
         nxt = best_witnesses(*looked_at(ck, ci, wk, witness_ids, theta), carry)
-        nxt = lax.cond(jnp.any(over), lambda x: jnp.where(
-            over[:, None], best_witnesses(keys, _all_ids(keys), carry), x), lambda x: x, nxt)
+        nxt = lax.cond(jnp.any(over), lambda x: tuple(jnp.where(over[:, None], a, b) for a, b in
+                                                      zip(best_witnesses(keys, _all_ids(keys),
+                                                                         carry), x)),
+                       lambda x: x, nxt)
     stats = DecodeStats(visible=jnp.full((M,), length, jnp.int32),
                         witnesses=jnp.full((M,), n_wit, jnp.int32),
                         tau_witness=jnp.where(theta == ACCEPT_ALL, -jnp.inf, key_to_score(theta)),
@@ -389,14 +404,16 @@ def sequence_keys(k, k_scale, page_table, b):
     return kb, sb
 
 
-def decode_topk_reference(q, k, w, ids, k_scale, lengths, page_table, config: Config):
+def decode_topk_reference(q, k, w, ids, k_scale, lengths, page_table, config: Config, *,
+                          combine=None):
     """The reference decode step on validated inputs (q [B, M, H, D], w [B, M, H]).
 
     Each sequence's queries are scored as one query tile by the canonical scorer
     (:func:`dosa_jax.scorer.full_scores_tile`, ``Config.key_block`` blocks: exactly the
     arithmetic of ``dense_topk``'s reference path on the sequence's keys), then
     :func:`select_with_witnesses`. Returns (indices [B, M, K], scores, DecodeStats [B, M],
-    next witnesses [B, M, W / M]).
+    next witnesses [B, M, W / M]); with ``combine`` (context parallel: the witnesses' keys
+    combined over the devices before τ_w is taken) the next witnesses are (ids, order keys).
     """
     K, cap = config.top_k, candidate_capacity(config)
     carry = witness_budget(ids.shape[1], q.shape[1])
@@ -404,19 +421,20 @@ def decode_topk_reference(q, k, w, ids, k_scale, lengths, page_table, config: Co
     def one(b):
         kb, sb = sequence_keys(k, k_scale, page_table, b)
         s = full_scores_tile(q[b], w[b], kb, sb, config.key_block)
-        return select_with_witnesses(s, lengths[b], ids[b], K, cap, carry)
+        return select_with_witnesses(s, lengths[b], ids[b], K, cap, carry, combine)
 
-    return lax.map(one, jnp.arange(q.shape[0]))
+    idx, sc, stats, nxt = lax.map(one, jnp.arange(q.shape[0]))
+    return idx, sc, stats, (nxt if combine is not None else nxt[0])
 
 
-def differentiable_scores(q, k, w, k_scale, page_table, idx, sc):
-    """Scores carrying the scorer's derivative at the selected keys (as ``dense_topk``'s):
-    the sequences' keys as one table (rows of the pages, or b·N + i), ids as rows."""
-    from dosa_jax import autodiff
-    B, M, H, D = q.shape
-    K = idx.shape[-1]
-    flat_k = k.reshape((-1, k.shape[-1]))
-    flat_s = None if k_scale is None else k_scale.reshape(-1)
+def key_table(k, k_scale):
+    """The sequences' keys as one table [rows, D] (and scales [rows]): pages' rows, or b·N + i."""
+    return (k.reshape((-1, k.shape[-1])), None if k_scale is None else k_scale.reshape(-1))
+
+
+def selected_rows(k, page_table, idx):
+    """Rows of :func:`key_table` of the sequence positions ``idx`` [B, M, K] (−1 stays −1)."""
+    B = idx.shape[0]
     if page_table is None:
         rows = jnp.arange(B, dtype=jnp.int32)[:, None, None] * k.shape[1] + idx
     else:
@@ -424,7 +442,17 @@ def differentiable_scores(q, k, w, k_scale, page_table, idx, sc):
         pg = jnp.take_along_axis(page_table[:, None, :],
                                  jnp.clip(idx // page, 0, page_table.shape[1] - 1), axis=2)
         rows = pg * page + idx % page
-    rows = jnp.where(idx >= 0, rows, -1).reshape(B * M, K)
+    return jnp.where(idx >= 0, rows, -1)
+
+
+def differentiable_scores(q, k, w, k_scale, page_table, idx, sc):
+    """Scores carrying the scorer's derivative at the selected keys (as ``dense_topk``'s):
+    the sequences' keys as one table (:func:`key_table`), ids as rows."""
+    from dosa_jax import autodiff
+    B, M, H, D = q.shape
+    K = idx.shape[-1]
+    flat_k, flat_s = key_table(k, k_scale)
+    rows = selected_rows(k, page_table, idx).reshape(B * M, K)
     out = autodiff.selected_scores(q.reshape(B * M, H, D), flat_k, w.reshape(B * M, H), flat_s,
                                    lax.stop_gradient(rows), sc.reshape(B * M, K))
     return out.reshape(B, M, K)

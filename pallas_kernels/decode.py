@@ -219,8 +219,8 @@ def gather_records(rk, ri, cnt, K: int, capacity: int):
 
 def record_witnesses(rk, ri, cnt, K: int, n: int, wk, wids):
     """The ``n`` best of each query's records (all splits) and witnesses, each id once
-    (:func:`dosa_jax.decode.best_witnesses`): the next step's witnesses of a query whose
-    records overflowed the selection buffer."""
+    (:func:`dosa_jax.decode.best_witnesses`: ids and order keys): the next step's witnesses
+    of a query whose records overflowed the selection buffer."""
     T, S, _ = rk.shape
     valid = jnp.arange(K, dtype=jnp.int32)[None, None, :] < jnp.minimum(cnt, K)[:, :, None]
     keys = jnp.where(valid, rk[..., :K], INT32_MIN).reshape(T, S * K)
@@ -301,10 +301,13 @@ def scan_records(prep: Prepared, theta, lengths, M: int, K: int, *, splits=None,
                        contiguous=prep.contiguous)
 
 
-def witness_threshold(prep: Prepared, ids, lengths, M: int, K: int, *, interpret=None):
+def witness_threshold(prep: Prepared, ids, lengths, M: int, K: int, *, interpret=None,
+                      combine=None):
     """τ_w of every query slot as an order key ([B·4]; ``THETA_NONE`` with fewer than K
     distinct visible witnesses), the distinct visible witness count [B], and the witnesses'
-    order keys and ids [B·4, Wp] (``INT32_MIN`` / −1 for repeated, invisible, NaN, pads)."""
+    order keys and ids [B·4, Wp] (``INT32_MIN`` / −1 for repeated, invisible, NaN, pads).
+    ``combine``: as :func:`dosa_jax.decode.witness_threshold`'s (τ_w from the combined keys;
+    the returned keys stay this device's)."""
     if interpret is None:
         interpret = interpret_default()
     B = ids.shape[0]
@@ -315,7 +318,7 @@ def witness_threshold(prep: Prepared, ids, lengths, M: int, K: int, *, interpret
         + safe % prep.page
     wk = witness_keys(prep.ops, prep.kp, prep.scale, wrows, first, M, prep.tiles, interpret)
     if wk.shape[1] >= K:
-        kth = lax.top_k(wk, K)[0][:, K - 1]
+        kth = lax.top_k(wk if combine is None else combine(wk), K)[0][:, K - 1]
         theta = jnp.where(kth == INT32_MIN, THETA_NONE, kth)
     else:
         theta = jnp.full((B * SLOTS,), THETA_NONE, jnp.int32)
@@ -325,19 +328,21 @@ def witness_threshold(prep: Prepared, ids, lengths, M: int, K: int, *, interpret
 
 
 def decode_topk(q, k, w, ids, k_scale, lengths, page_table, config, *, tiles: Tiles = Tiles(),
-                key_tile: int = KEY_TILE, splits=None, interpret=None):
+                key_tile: int = KEY_TILE, splits=None, interpret=None, combine=None):
     """One decode step by the kernels (validated inputs: q [B, M, H, D], w [B, M, H]).
 
     Returns (indices [B, M, K], scores [B, M, K], DecodeStats [B, M], next witnesses
     [B, M, W / M]) as :func:`dosa_jax.decode.decode_topk_reference`, indices and scores
     bitwise equal to ``dense_topk`` on the pallas backend. The next witnesses are the best
-    of the selection buffer (of all records on overflow) and the witnesses, each id once.
+    of the selection buffer (of all records on overflow) and the witnesses, each id once;
+    with ``combine`` (context parallel) they are (ids, order keys), as the reference's.
     """
     B, M = q.shape[:2]
     K = config.top_k
     carry = witness_budget(ids.shape[1], M)
     prep = prepare(q, w, k, k_scale, page_table, tiles=tiles, key_tile=key_tile)
-    theta, n_wit, wk, wids = witness_threshold(prep, ids, lengths, M, K, interpret=interpret)
+    theta, n_wit, wk, wids = witness_threshold(prep, ids, lengths, M, K, interpret=interpret,
+                                               combine=combine)
     rk, ri, cnt, app = scan_records(prep, theta, lengths, M, K, splits=splits,
                                     interpret=interpret)
     idx, sc, _, over, (bk, bi) = gather_records(rk, ri, cnt, K, candidate_capacity(config))
@@ -345,9 +350,11 @@ def decode_topk(q, k, w, ids, k_scale, lengths, page_table, config, *, tiles: Ti
     rm = lambda x: r(x).reshape((B * M,) + x.shape[1:])      # the M real slots only
     wit = (rm(wk), rm(wids))     # split buffers end compacted to their Top-K: dedupe by id
     nxt = best_witnesses(*distinct_pool(rm(bk), rm(bi), *wit), carry)
-    nxt = lax.cond(jnp.any(over), lambda x: jnp.where(
-        rm(over)[:, None], record_witnesses(rm(rk), rm(ri), rm(cnt), K, carry, *wit), x),
-        lambda x: x, nxt).reshape(B, M, carry)
+    nxt = lax.cond(jnp.any(over), lambda x: tuple(
+        jnp.where(rm(over)[:, None], a, b)
+        for a, b in zip(record_witnesses(rm(rk), rm(ri), rm(cnt), K, carry, *wit), x)),
+        lambda x: x, nxt)
+    nxt = tuple(a.reshape(B, M, carry) for a in nxt)
     merged = jnp.any(app > rk.shape[2] - prep.BK, axis=1)   # a buffer compacted mid-scan
     stats = DecodeStats(visible=jnp.broadcast_to(lengths[:, None], (B, M)).astype(jnp.int32),
                         witnesses=jnp.broadcast_to(n_wit[:, None], (B, M)),
@@ -355,7 +362,7 @@ def decode_topk(q, k, w, ids, k_scale, lengths, page_table, config, *, tiles: Ti
                                                 key_to_score(theta))),
                         candidates=r(jnp.sum(app, axis=1)),
                         overflow=r((over | merged).astype(jnp.int32)))
-    return r(idx), r(sc), stats, nxt
+    return r(idx), r(sc), stats, (nxt if combine is not None else nxt[0])
 
 
 def decode_topk_reference(q, k, w, ids, k_scale, lengths, page_table, config):
@@ -371,7 +378,8 @@ def decode_topk_reference(q, k, w, ids, k_scale, lengths, page_table, config):
         s = score_reference(mma_pieces(q[b]), w[b], mma_pieces(kb), sb)
         return select_with_witnesses(s, lengths[b], ids[b], K, cap, carry)
 
-    return lax.map(one, jnp.arange(q.shape[0]))
+    idx, sc, stats, nxt = lax.map(one, jnp.arange(q.shape[0]))
+    return idx, sc, stats, nxt[0]
 
 
 __all__ = ["KEY_TILE", "Prepared", "SLOTS", "decode_scan", "decode_topk", "decode_topk_reference",
