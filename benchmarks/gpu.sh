@@ -6,7 +6,10 @@
 # Stages: tests | headline | matrix | matrix1m | matrix1m_bw | matrix1m64 | matrix128k | kernels | select |
 # agreement | context_parallel (CP_ARGS adds options, e.g. --queries 4096) |
 # witness_timing (WT_ARGS adds options, e.g. --cases code1,code2 --widths 0,4096 --survivor-costs 1,2 --splits 0,2) |
-# decode | decode32 | decode64 (decode: every row within its time budget; decode32/64: one H each)
+# decode | decode32 | decode64 (decode: every row within its time budget; decode32/64: one H each) |
+# slack_train | slack_eval (the slack fine-tune in two calls: slack_train writes every λ's
+# weights_lambda_<λ>.npz to $OUT; slack_eval measures the files in SLACK_WEIGHTS, a folder the
+# call carries; SLACK_ARGS adds options, e.g. --lambdas 0,0.2,1,4)
 # (matrix1m: the H = 32 cases at N = 1M; matrix1m_bw: the same with the block-witness
 # variant, BLOCK_WITNESSES=W (default 4096); matrix1m64: the H = 64 cases; matrix128k: all 16 at
 # N = 128K; matrix: everything, longer than one 10-minute device call). Each stage
@@ -64,7 +67,12 @@ for s in $stages; do
       --tag h32 --out "$OUT" ;;
     decode64) run decode64 "${DECODE_TIMEOUT:-580}" python -m benchmarks decode --cases H64 \
       --tag h64 --out "$OUT" ;;
-    *) echo "gpu.sh: unknown stage $s (tests headline matrix matrix1m matrix1m_bw matrix1m64 matrix128k kernels select agreement context_parallel witness_timing decode decode32 decode64)" >&2
+    slack_train) run slack_train "${SLACK_TIMEOUT:-580}" python -m benchmarks.slack_finetune \
+      --train-only --budget-seconds "${SLACK_BUDGET:-540}" --out "$OUT" $SLACK_ARGS ;;
+    slack_eval) run slack_eval "${SLACK_TIMEOUT:-580}" python -m benchmarks.slack_finetune \
+      --evaluate "${SLACK_WEIGHTS:-slack_weights}" --budget-seconds "${SLACK_BUDGET:-540}" \
+      --out "$OUT" $SLACK_ARGS ;;
+    *) echo "gpu.sh: unknown stage $s (tests headline matrix matrix1m matrix1m_bw matrix1m64 matrix128k kernels select agreement context_parallel witness_timing decode decode32 decode64 slack_train slack_eval)" >&2
        exit 2 ;;
   esac
 done

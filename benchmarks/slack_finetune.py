@@ -3,6 +3,7 @@
     python -m benchmarks.slack_finetune --out $OUT [--lambdas 0,0.3,1,3] [--seconds-per-run 40]
     python -m benchmarks.slack_finetune --quick --out DIR     # tiny random model, CPU smoke run
     python -m benchmarks.slack_finetune --probe               # slack vs KL magnitudes (CPU)
+    python -m benchmarks.slack_finetune --train-only --out DIR   # then: --evaluate DIR
 
 For every λ, both indexers of every layer (H = 32 and H = 64, one optimizer step
 trains all eight) continue from the committed weights with the long-crop recipe
@@ -102,6 +103,7 @@ class Plan(NamedTuple):
     timing_reserve: float = 60.0                   # seconds kept for the timing stage
     coverage_tolerance: float = 0.005
     evaluate: str = ""                             # read each λ's weights from here, no training
+    train_only: bool = False                       # train and write every λ's weights, no measuring
 
 
 FULL = Plan()
@@ -339,6 +341,7 @@ def summarize(rows) -> dict:
     """Per λ: the worst layer's survival and work, the largest coverage drop against λ = 0 (points),
     the least dense/DoSA ratio of the timed rows."""
     out = {}
+    rows = [r for r in rows if "survival" in r]     # a --train-only run has no measurements
     base = {(r["heads"], r["layer"]): r for r in rows if r["lambda"] == 0.0}
     for lam in sorted({r["lambda"] for r in rows}):
         rs = [r for r in rows if r["lambda"] == lam]
@@ -400,11 +403,12 @@ def run(plan: Plan, out: str, quick: bool) -> Table:
     clock.log(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; plan {plan._asdict()}")
     heads = sorted(weights[2])
     lm_cfg = weights[0]
-    held = HeldOut(tc, weights, plan.kl_crops)
-    clock.log("held-out crops collected")
-    longc = LongContext(weights, plan.N)
-    jax.block_until_ready(longc.h)
-    clock.log(f"long-context hidden states (N={plan.N}) ready")
+    if not plan.train_only:   # what the measurements need
+        held = HeldOut(tc, weights, plan.kl_crops)
+        clock.log("held-out crops collected")
+        longc = LongContext(weights, plan.N)
+        jax.block_until_ready(longc.h)
+        clock.log(f"long-context hidden states (N={plan.N}) ready")
     trainer = None if plan.evaluate else Trainer(tc, weights, plan, clock)
     cfg = dosa_jax.Config(top_k=plan.K, seed_size=plan.seeds, backend="auto")
     f_screened, _ = jitted_paths(cfg.replace(dense_switch=float("inf")))
@@ -439,6 +443,10 @@ def run(plan: Plan, out: str, quick: bool) -> Table:
             files[lam] = path
             if not lm_unchanged(weights, wl):
                 tab.error(f"λ={lam}: the exported LM differs from the base LM")
+            if plan.train_only:   # measured by a later --evaluate run on these files
+                tab.add({"lambda": lam, "steps": info["steps"]})
+                eval_est = 0.0
+                continue
             t_eval = clock.elapsed()
             cov = long_context_coverage.run(["code", "prose"], list(range(lm_cfg.n_layers)),
                                             list(plan.lengths), heads, plan.coverage_queries, Ks,
@@ -467,6 +475,11 @@ def run(plan: Plan, out: str, quick: bool) -> Table:
             clock.log(f"λ={lam}: ERROR {e!r}")
             continue
         eval_est = clock.elapsed() - t_eval
+    if plan.train_only:
+        tab.notes.append("trained only: measure with --evaluate " + out)
+        tab.write()
+        clock.log(f"trained {sorted(files)}; weights in {out}")
+        return tab
     chosen, met = choose(tab.rows, plan.lambdas, plan.coverage_tolerance)
     tab.meta.update(chosen_lambda=chosen, coverage_target_met=met)
     if chosen == 0.0:    # no regularised λ was measured against λ = 0: no "slack" weights
@@ -575,6 +588,9 @@ def main(argv=None) -> int:
     ap.add_argument("--evaluate", default="", metavar="DIR",
                     help="measure the weights_lambda_<λ>.npz files an earlier run wrote to DIR "
                          "instead of training")
+    ap.add_argument("--train-only", action="store_true",
+                    help="train every λ and write its weights_lambda_<λ>.npz, measure nothing "
+                         "(then --evaluate that directory, e.g. in a second device call)")
     ap.add_argument("--probe", action="store_true",
                     help="only the slack-vs-KL magnitude probe on the committed model (CPU)")
     a = ap.parse_args(argv)
@@ -613,7 +629,11 @@ def main(argv=None) -> int:
     if a.evaluate:
         if not os.path.isdir(a.evaluate):
             ap.error(f"--evaluate: no directory {a.evaluate!r}")
+        if a.train_only:
+            ap.error("--train-only and --evaluate exclude each other")
         plan = plan._replace(evaluate=a.evaluate)
+    if a.train_only:
+        plan = plan._replace(train_only=True)
     tab = run(plan, a.out, a.quick)
     log(tab.markdown())
     return 1 if tab.errors else 0

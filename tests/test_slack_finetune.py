@@ -81,3 +81,22 @@ def test_bad_lambdas_are_rejected():
     assert sf.parse_lambdas("0, 0.5,2") == (0.0, 0.5, 2.0)
     assert sf.length_label(1048576) == "1M" and sf.length_label(131072) == "128K"
     assert sf.length_label(512) == "512"
+
+
+def test_train_only_writes_every_lambdas_weights_and_measures_nothing(tmp_path):
+    out = str(tmp_path)
+    assert sf.main(["--quick", "--train-only", "--out", out]) == 0
+    with open(os.path.join(out, "slack_finetune.json")) as f:
+        rows = json.load(f)["rows"]
+    assert sorted(r["lambda"] for r in rows) == sorted(sf.QUICK.lambdas)
+    assert all(set(r) == {"lambda", "steps"} and r["steps"] == sf.QUICK.steps for r in rows)
+    assert not os.path.exists(os.path.join(out, sf.WEIGHTS_NAME))   # nothing chosen
+    _, lm_b, ind_b, _ = checkpoint.load_weights(os.path.join(out, "quick_base_weights.npz"))
+    for lam in sf.QUICK.lambdas:
+        _, lm_l, ind_l, meta = checkpoint.load_weights(
+            os.path.join(out, f"weights_lambda_{lam:g}.npz"))
+        assert meta["slack_fine_tuning"]["lam"] == lam
+        assert all(bool(jnp.all(x == y)) for x, y in zip(jax.tree_util.tree_leaves(lm_b),
+                                                          jax.tree_util.tree_leaves(lm_l)))
+    with pytest.raises(SystemExit):
+        sf.main(["--quick", "--train-only", "--evaluate", out, "--out", out])
