@@ -103,7 +103,7 @@ class Plan(NamedTuple):
     timing_reserve: float = 60.0                   # seconds kept for the timing stage
     coverage_tolerance: float = 0.005
     evaluate: str = ""                             # read each λ's weights from here, no training
-    train_only: bool = False                       # train and write every λ's weights, no measuring
+    train_only: bool = False                       # write every λ's weights, measure nothing
 
 
 FULL = Plan()
