@@ -77,6 +77,8 @@ from dosa_jax import autodiff
 from dosa_jax import seeds as seeds_mod
 from dosa_jax.backend import candidates
 from dosa_jax.config import Config
+from dosa_jax.decode import (DecodeState, DecodeStats, check_decode_inputs, decode_config,
+                             decode_topk_reference, key_table, selected_rows, witness_budget)
 from dosa_jax.dense import dense_topk_reference
 from dosa_jax.inputs import check_hint, check_inputs, same_varying_axes
 from dosa_jax.pipeline import dosa_topk_reference
@@ -433,7 +435,6 @@ def decode_topk(q, k, w, ids, k_scale, lengths, page_table, config: Config, *, d
     [B, M, W / M]), the same on every device of the axis; indices and scores bitwise the
     unsharded ``decode_topk``'s.
     """
-    from dosa_jax.decode import DecodeStats, selected_rows, key_table, witness_budget
     axis = config.context_axis
     B, M = q.shape[:2]
     K = config.top_k
@@ -484,7 +485,6 @@ def reference_decode_dispatch(backend: str, op: str, *args, **kwargs):
         raise NotImplementedError(
             f"context-parallel {op} for backend={backend!r}: the kernels are reached through "
             "the api's dispatch table; call dosa_jax.decode_topk / dosa_jax.sharded_decode_topk")
-    from dosa_jax.decode import decode_topk_reference
     return decode_topk_reference(*args, **kwargs)
 
 
@@ -639,7 +639,6 @@ def sharded_decode_topk(q, k, w, state, *, mesh, axis: str = "cp", k_scale=None,
     ``step``: the decode step run inside the ``shard_map`` (``dosa_jax.decode_topk``, which
     ``dosa_jax.sharded_decode_topk`` passes).
     """
-    from dosa_jax.decode import DecodeState, check_decode_inputs, decode_config
     config = decode_config(config).replace(context_axis=axis)
     if axis not in mesh.shape:
         raise ValueError(f"mesh has no axis {axis!r} (axes: {tuple(mesh.shape)})")
