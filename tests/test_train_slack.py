@@ -59,20 +59,27 @@ def test_zero_weight_reproduces_the_distillation_step(setup):
 
 
 @functools.lru_cache(maxsize=None)
-def _stats_fn(cfg):
-    return jax.jit(lambda a: dosa_jax.topk(**a, config=cfg).stats)
+def _stats_fn(tc, retained_heads):
+    """One layer's indexer inputs (``train.slack_inputs``) and topk's stats on them: one
+    program for every layer and parameter set."""
+    c = tc.indexers[0]
+    cfg = train.slack_config(tc).replace(backend="reference", retained_heads=retained_heads)
+
+    def stats(p, x, positions):
+        kw = train.slack_inputs(p, x, positions, c, tc)
+        return dosa_jax.topk(**{n: kw[n] for n in ("q", "k", "w", "lo", "hi")}, config=cfg).stats
+
+    return jax.jit(stats)
 
 
 def _measured(params, batch, tc, retained_heads):
     """Summed over layers: topk's (survival, screening work) on the batch's queries."""
     c = tc.indexers[0]
-    call = _stats_fn(train.slack_config(tc).replace(backend="reference",
-                                                    retained_heads=retained_heads))
+    call = _stats_fn(tc, retained_heads)
     surv = work = 0.0
     for li in range(tc.lm.n_layers):
-        kw = train.slack_inputs(params[str(c.n_heads)][li], batch["x"][li], batch["positions"],
-                                c, tc)
-        st = jax.device_get(call({n: kw[n] for n in ("q", "k", "w", "lo", "hi")}))
+        st = jax.device_get(call(params[str(c.n_heads)][li], batch["x"][li],
+                                 batch["positions"]))
         surv += st.survivors.sum() / st.visible.sum()
         work += screening_work(st, c.n_heads)
     return surv, work
@@ -85,8 +92,9 @@ def test_positive_weight_lowers_the_slack_loss_and_the_measured_work(setup):
     batch = train.slack_batch(train.frozen_layers(lm, tokens, TC), 99, 0, held)
     plain, _ = _run(setup, TC)
     reg, _ = _run(setup, dataclasses.replace(TC, slack_weight=100.0))  # the --slack path
-    s_plain = float(train.slack_objective(plain, batch, held)[0])
-    s_reg = float(train.slack_objective(reg, batch, held)[0])
+    objective = jax.jit(lambda p, b: train.slack_objective(p, b, held)[0])   # one program
+    s_plain = float(objective(plain, batch))
+    s_reg = float(objective(reg, batch))
     assert s_reg < 0.97 * s_plain, (s_reg, s_plain)
     assert not _equal(plain, reg)
     # what the loss is for, measured by topk: fewer survivors at a fixed budget, and less
