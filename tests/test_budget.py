@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,8 +13,12 @@ from dosa_jax import budget as budget_mod
 from dosa_jax import synthetic
 from dosa_jax.bounds import positive
 from dosa_jax.bounds.heads import activation_frequencies
+from dosa_jax import planner
 from dosa_jax.config import Config
-from dosa_jax.planner import build_plan
+
+#: the planner under jax.jit: one program per (Config, program size) instead of some 500
+#: small ones op by op; κ (``survivor_weight``) is traced, so κ = 1 and 3 share a program
+build_plan = jax.jit(planner.build_plan, static_argnames=("config", "program_queries"))
 
 
 def _sample(T=12, P=96, H=8, D=16, seed=4):
@@ -46,13 +52,22 @@ def _costs(q, w, p, x, kn, valid, tau, cfg, kappa):
     out = []
     for r in cfg.budgets(q.shape[1]):
         _, det, _ = build_plan(q, w, p, cfg.replace(retained_heads=r))
-        real = jax.vmap(lambda qt, wt, d: _real_allowance(qt, wt, d, cfg.residual_groups))(
-            q, w, det)
+        real = _real_allowances(q, w, det, cfg.residual_groups)
         assert np.all(np.asarray(real) <= np.asarray(det.residual))
         det = det._replace(residual=real)
-        out.append(jax.vmap(lambda *a: budget_mod.estimated_cost(*a, r, 1, q.shape[1], kappa))(
-            x, kn, valid, tau, det))
+        out.append(_estimated_costs(x, kn, valid, tau, det, r, q.shape[1], kappa))
     return np.stack([np.asarray(c) for c in out], axis=1)
+
+
+@functools.partial(jax.jit, static_argnums=(3,))
+def _real_allowances(q, w, det, groups):
+    return jax.vmap(lambda qt, wt, d: _real_allowance(qt, wt, d, groups))(q, w, det)
+
+
+@functools.partial(jax.jit, static_argnums=(5, 6))
+def _estimated_costs(x, kn, valid, tau, det, r, H, kappa):
+    return jax.vmap(lambda *a: budget_mod.estimated_cost(*a, r, 1, H, kappa))(
+        x, kn, valid, tau, det)
 
 
 @pytest.mark.parametrize("program_queries,kappa", [(1, 1.0), (4, 1.0), (4, 3.0)])
