@@ -153,7 +153,7 @@ def test_witness_timing_rows_checked_against_dense(tmp_path):
                                                                ("code2", 128, 8.0)]
     assert all(r["eq"] for r in rows)
     assert rows[1]["budget_mean"] >= rows[0]["budget_mean"]
-    assert all(len(r["terms"]) == 3 and 0 <= r["surv_all"] <= 1 for r in rows)
+    assert all(len(r["terms"]) == 4 and 0 <= r["surv_all"] <= 1 for r in rows)
     assert all(0 <= r["records"] <= r["surv_screened"] for r in rows)
     assert all(r[f"{s}_ms"] > 0 for r in rows for s in witness_timing.STAGES)
     for r in rows:   # "r:share" per budget, budgets of H = 32 (1 … 31), shares summing to ≤ 1
