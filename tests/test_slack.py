@@ -202,11 +202,11 @@ def test_tiny_temperature_counts_certificate_survivors(threshold):
     inp = _inputs()
     cfg = CFG_AUTO
     ch = _choices("float32", cfg)
-    loss = jax.jit(functools.partial(slack.slack_loss, config=cfg, temperature=1e-7,
-                                     threshold=threshold, reduce=False))
-    per_q = np.asarray(loss(**_args(inp)))
-    pooled = float(jax.jit(functools.partial(slack.slack_loss, config=cfg, temperature=1e-7,
-                                             threshold=threshold))(**_args(inp)))
+    loss = functools.partial(slack.slack_loss, config=cfg, temperature=1e-7,
+                             threshold=threshold)
+    # per query and pooled in one program (their common part compiled once)
+    per_q, pooled = jax.jit(lambda a: (loss(**a, reduce=False), loss(**a)))(_args(inp))
+    per_q, pooled = np.asarray(per_q), float(pooled)
     dense = jax.device_get(jax.jit(dosa_jax.dense_topk)(**_args(inp), config=cfg))
     K = cfg.top_k
     tau = ch.tau_seed if threshold == "seed" else dense.scores[:, K - 1]
@@ -258,13 +258,14 @@ def test_slack_loss_under_vmap_and_its_margin():
     args = _args(inp)
     f = lambda q, k, w: slack.slack_loss(q, k, w, lo=args["lo"], hi=args["hi"], config=cfg,
                                          margin=0.1)
-    jitted = jax.jit(f)
-    eager = float(jitted(args["q"], args["k"], args["w"]))
+    # the loss at margins 0.1 and 0.5 in one program (their common part compiled once)
+    jitted = jax.jit(lambda a: (f(a["q"], a["k"], a["w"]),
+                                slack.slack_loss(**a, config=cfg, margin=0.5)))
+    eager, wider = map(float, jitted(args))
     qb = jnp.stack([args["q"], 2.0 * args["q"]])        # the loss is invariant to q's scale
     vb = jax.vmap(f, in_axes=(0, None, None))(qb, args["k"], args["w"])
     np.testing.assert_allclose(np.asarray(vb), [eager, eager], rtol=1e-5)
-    assert eager < float(jax.jit(functools.partial(slack.slack_loss, config=cfg, margin=0.5))(
-        **args))                                              # a larger margin counts more
+    assert eager < wider                                      # a larger margin counts more
 
 
 def test_bad_arguments_name_themselves():
@@ -284,7 +285,10 @@ def test_bad_arguments_name_themselves():
 
 # ----------------------------------------------------------------------- the regulariser
 
+@functools.lru_cache(maxsize=None)
 def _reg_problem():
+    """(params, batch, indexer_fn, grads, updates), built once for the regulariser tests
+    (none of them modifies it)."""
     inp = _inputs(T=4, N=128, seed=5)
     params = {"q": inp.q, "w": inp.w}
     batch = {"k": inp.k, "lo": inp.lo, "hi": inp.hi}
