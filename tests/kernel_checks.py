@@ -58,3 +58,26 @@ def jit_dosa_details(args, cfg, **kw):
 
     idx, sc, st, det = jax.jit(run)(*args)
     return idx, sc, st, dict(det, **static)
+
+
+def jit_dosa_details_many(args, variants, dense=None):
+    """``jit_dosa_details(args, cfg, **kw)`` for every ``(cfg, kw)`` of ``variants``, and with
+    ``dense = (cfg, kw)`` also ``pipeline.dense_topk(*args, cfg, **kw)``, all in one program:
+    XLA compiles several variants of the pipeline together in about half the time of as many
+    programs (their interpret-mode kernels and shared stages once). Returns the list of
+    ``(idx, sc, st, details)``, then ``(didx, dsc)`` when ``dense`` is given."""
+    static = [{} for _ in variants]
+
+    def run(*a):
+        out = []
+        for (cfg, kw), st_ in zip(variants, static):
+            idx, sc, st, det = pipeline.dosa_topk(*a, cfg, return_details=True, **kw)
+            st_.update({k: v for k, v in det.items() if isinstance(v, (bool, int))})
+            out.append((idx, sc, st, {k: v for k, v in det.items() if k not in st_}))
+        if dense is not None:
+            out.append(tuple(pipeline.dense_topk(*a, dense[0], **dense[1])))
+        return out
+
+    out = jax.jit(run)(*args)
+    res = [(idx, sc, st, dict(det, **st_)) for (idx, sc, st, det), st_ in zip(out, static)]
+    return res + ([tuple(out[-1])] if dense is not None else [])

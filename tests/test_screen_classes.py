@@ -19,7 +19,7 @@ from dosa_jax import synthetic
 from dosa_jax.config import Config
 from dosa_jax.enclosure import key_norm_upper
 from pallas_kernels import dense, pipeline, screen
-from kernel_checks import (assert_screening_bound_holds_on_every_key, jit_dosa_details,
+from kernel_checks import (assert_screening_bound_holds_on_every_key, jit_dosa_details_many,
                            unpack_survivors)
 
 pytestmark = pytest.mark.xdist_group("pallas_kernels")
@@ -88,20 +88,22 @@ def test_dosa_with_two_budget_classes_equals_dense_bitwise():
     # budgets chosen per query, the aggregate as two columns, the plain screen loop
     per_query = TILES_KC._replace(budget_share="query", aggregate_hi_only=False,
                                   screen_defer=False)
+    # shared by each 8-query screening program, the aggregate as one column, the
+    # software-pipelined screen; survivors priced 4x (more heads)
+    cfg4 = cfg.replace(survivor_cost=4.0)
+    prog = TILES_KC._replace(budget_share="program")
+    variants = [(cfg, dict(tiles=per_query, splits=2)), (cfg4, dict(tiles=prog, splits=2)),
+                # packed masks: both classes' kernels write one byte per key for each pair of
+                # groups
+                (cfg, dict(tiles=per_query._replace(screen_pack=True), splits=2)),
+                # the default: one budget for the wave (here the call), one class, one kernel
+                (cfg, dict(tiles=TILES_KC, splits=2))]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(pipeline, "DIRECT_SURVIVAL", 2.0)            # every group screens
-        idx, sc, st, det = jit_dosa_details(args, cfg, tiles=per_query, splits=2)
-        # shared by each 8-query screening program, the aggregate as one column, the
-        # software-pipelined screen; survivors priced 4x (more heads)
-        cfg4 = cfg.replace(survivor_cost=4.0)
-        prog = TILES_KC._replace(budget_share="program")
-        idx4, sc4, st4, det4 = jit_dosa_details(args, cfg4, tiles=prog, splits=2)
-        # packed masks: both classes' kernels write one byte per key for each pair of groups
-        idxp, scp, stp, _ = jit_dosa_details(args, cfg, tiles=per_query._replace(
-            screen_pack=True), splits=2)
-        # the default: one budget for the wave (here the call), one class, one kernel
-        idxw, scw, stw, detw = jit_dosa_details(args, cfg, tiles=TILES_KC, splits=2)
-    didx, dsc = jax.jit(lambda *a: pipeline.dense_topk(*a, cfg, tiles=TILES_KC, splits=2))(*args)
+        # the four variants and the dense scan in one program (compiled together)
+        ((idx, sc, st, det), (idx4, sc4, st4, det4), (idxp, scp, stp, _),
+         (idxw, scw, stw, detw), (didx, dsc)) = jit_dosa_details_many(
+            args, variants, dense=(cfg, dict(tiles=TILES_KC, splits=2)))
     np.testing.assert_array_equal(np.asarray(stp.survivors), np.asarray(st.survivors))
     for i, s_ in ((idx, sc), (idx4, sc4), (idxp, scp), (idxw, scw)):
         np.testing.assert_array_equal(np.asarray(i), np.asarray(didx))
