@@ -23,7 +23,7 @@ from pallas_kernels import dense, pipeline, records, screen
 from pallas_kernels import select as pselect
 from pallas_kernels.common import (THETA_NONE, interpret_default, lane_aligned_order, mma_pieces,
                                    on_gpu)
-from kernel_checks import (assert_screening_bound_holds_on_every_key, jit_dosa_details,
+from kernel_checks import (assert_screening_bound_holds_on_every_key, jit_dosa_details_many,
                            unpack_survivors)
 
 ON_GPU = on_gpu()
@@ -475,41 +475,56 @@ def test_block_witnesses_keep_dosa_equal_to_dense():
         assert sorted(int(i) for i in wit[g] if i >= 0) == keys
 
 
-@pytest.mark.parametrize("chunk,chunked_max", [(1, 64), (4, 64), (2, 3), (4, 1)],
-                         ids=["chunks_of_1", "chunks_of_4", "chunked_below_the_limit",
-                              "whole_call_above_it"])
-def test_dense_rows_replace_only_the_chosen_groups(chunk, chunked_max):
-    """The chosen groups' rows (gathered ``chunk`` groups per dense scan, some chunks partly
-    empty, a ragged last group; or, above ``chunked_max`` groups, one scan of the whole call)
-    are the dense Top-K from θ₀ with their record counts; the other rows are left as they
-    were."""
+DENSE_ROW_CHUNKS = {"chunks_of_1": (1, 64), "chunks_of_4": (4, 64),
+                    "chunked_below_the_limit": (2, 3), "whole_call_above_it": (4, 1)}
+#: the dense-rows test's rows: groups 0, 2 and the ragged 5 of T = 22 queries
+DENSE_ROWS = np.isin(np.arange(22), [0, 1, 2, 3, 8, 9, 10, 11, 20, 21])
+
+
+@functools.lru_cache(maxsize=None)
+def _dense_rows_answers():
+    """The dense-rows test's inputs, the dense scan's answer, and ``pipeline.dense_rows``
+    under every chunking of DENSE_ROW_CHUNKS, with DENSE_ROWS chosen and with no row chosen:
+    one program (every chunking compiled together), called with either choice of rows."""
     inp = synthetic.structured(T=22, N=900, H=4, D=32, seed=5, key_dtype="float8_e4m3fn",
                                query_dtype="bfloat16")
     cfg = Config(top_k=16)
     args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)
-    didx, dsc = pipeline.dense_topk(*args, cfg, tiles=TILES, splits=2)
     T, K = 22, 16
-    rows = np.zeros(T, bool)
-    rows[[0, 1, 2, 3, 8, 9, 10, 11, 20, 21]] = True           # groups 0, 2 and the ragged 5
-    idx0 = jnp.full((T, K), 7, jnp.int32)
-    sc0 = jnp.full((T, K), 0.5, jnp.float32)
-    rec0 = jnp.full((T,), -3, jnp.int32)
-    theta = jnp.full((T,), pipeline.THETA_NONE, jnp.int32)
-    keyside = pipeline.key_side(inp.k, inp.k_scale, TILES)
-    idx, sc, n = jax.jit(lambda *a: pipeline.dense_rows(
-        jnp.asarray(rows), theta, idx0, sc0, rec0, *a, K=K, tiles=TILES, interpret=None,
-        keyside=keyside, chunk_groups=chunk, chunked_max=chunked_max))(
-            inp.q, inp.w, inp.k, inp.k_scale, inp.lo, inp.hi)
-    idx, sc, n = np.asarray(idx), np.asarray(sc), np.asarray(n)
+    start = (jnp.full((T,), pipeline.THETA_NONE, jnp.int32), jnp.full((T, K), 7, jnp.int32),
+             jnp.full((T, K), 0.5, jnp.float32), jnp.full((T,), -3, jnp.int32))
+
+    def every_chunking(rows, theta, idx0, sc0, rec0, q, k, w, k_scale, lo, hi):
+        keyside = pipeline.key_side(k, k_scale, TILES)
+        return {name: pipeline.dense_rows(rows, theta, idx0, sc0, rec0, q, w, k, k_scale, lo,
+                                          hi, K=K, tiles=TILES, interpret=None,
+                                          keyside=keyside, chunk_groups=chunk,
+                                          chunked_max=chunked_max)
+                for name, (chunk, chunked_max) in DENSE_ROW_CHUNKS.items()}
+
+    f = jax.jit(every_chunking)
+    chosen = f(jnp.asarray(DENSE_ROWS), *start, *args)
+    none = f(jnp.zeros(T, bool), *start, *args)
+    dense_answer = jax.jit(lambda *a: pipeline.dense_topk(*a, cfg, tiles=TILES, splits=2))(*args)
+    return start, dense_answer, chosen, none
+
+
+@pytest.mark.parametrize("name", list(DENSE_ROW_CHUNKS))
+def test_dense_rows_replace_only_the_chosen_groups(name):
+    """The chosen groups' rows (gathered ``chunk`` groups per dense scan, some chunks partly
+    empty, a ragged last group; or, above ``chunked_max`` groups, one scan of the whole call)
+    are the dense Top-K from θ₀ with their record counts; the other rows are left as they
+    were."""
+    (_, idx0, sc0, rec0), (didx, dsc), chosen, none = _dense_rows_answers()
+    K, rows = 16, DENSE_ROWS
+    idx, sc, n = (np.asarray(x) for x in chosen[name])
     np.testing.assert_array_equal(idx[rows], np.asarray(didx)[rows])
     np.testing.assert_array_equal(sc[rows], np.asarray(dsc)[rows])
     assert np.all(idx[~rows] == 7) and np.all(sc[~rows] == 0.5) and np.all(n[~rows] == -3)
     assert np.all(n[rows] >= K)          # every visible key scanned from no threshold
     # nothing chosen: nothing scanned, nothing changed
-    same = pipeline.dense_rows(jnp.zeros(T, bool), theta, idx0, sc0, rec0, inp.q, inp.w, inp.k,
-                               inp.k_scale, inp.lo, inp.hi, K=K, tiles=TILES, interpret=None,
-                               keyside=keyside, chunk_groups=chunk, chunked_max=chunked_max)
-    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(same, (idx0, sc0, rec0)))
+    assert all(np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(none[name], (idx0, sc0, rec0)))
 
 
 def test_group_blocks_keep_the_best_ranks_first():
@@ -620,8 +635,9 @@ def test_seed_scores_equal_dense_kernel_scores_bitwise():
 
 
 def test_kth_largest_keys_radix_search():
-    """The radix descent and its kernel (the bitwise descent) return the K-th largest eligible order key (ties, extremes, INT32_MIN
-    entries, rows with fewer than K eligible -> THETA_NONE), for several digit widths."""
+    """The radix descent and its kernel (the bitwise descent) return the K-th largest eligible
+    order key (ties, extremes, INT32_MIN entries, rows with fewer than K eligible ->
+    THETA_NONE), for several digit widths."""
     from pallas_kernels.seeds import kth_largest_keys, kth_largest_keys_kernel
     rng = np.random.default_rng(0)
     lo32, hi32 = np.iinfo(np.int32).min, np.iinfo(np.int32).max
@@ -648,12 +664,14 @@ def test_kth_largest_keys_radix_search():
                                       np.asarray(kth_largest_keys(odd, k)[0]))
 
 
-@pytest.mark.parametrize("tiles", [TILES, TILES._replace(refine_slices=3, screen_pack=True)],
-                         ids=["one_slice", "three_slices_packed_masks"])
-def test_dosa_overflow_recovers_exactly(tiles):
-    """float32 inputs (two bf16 pieces each) and survivor lists too small: exact via recovery
-    (also with each list refined in three slices, the recovery then scanning in as many
-    splits, and the screen's masks packed two groups per byte)."""
+OVERFLOW_TILES = {"one_slice": TILES,
+                  "three_slices_packed_masks": TILES._replace(refine_slices=3, screen_pack=True)}
+
+
+@functools.lru_cache(maxsize=None)
+def _overflow_answers():
+    """The overflow test's inputs and, in one program (compiled together), DoSA under each of
+    OVERFLOW_TILES and the dense scan."""
     inp = synthetic.gaussian(T=8, N=700, H=4, D=32, seed=1)
     cfg = Config(top_k=32, retained_heads=2, seed_size=64, capacity=16,   # lists overflow
                  dense_switch=float("inf"))
@@ -661,9 +679,20 @@ def test_dosa_overflow_recovers_exactly(tiles):
     with pytest.MonkeyPatch.context() as mp:   # screen although the sample predicts overflows
         mp.setattr(pipeline, "DIRECT_LIST_USE", float("inf"))
         mp.setattr(pipeline, "DIRECT_SURVIVAL", 2.0)
-        idx, sc, st, det = jit_dosa_details(args, cfg, tiles=tiles, splits=2)
+        *runs, dense_answer = jit_dosa_details_many(
+            args, [(cfg, dict(tiles=t, splits=2)) for t in OVERFLOW_TILES.values()],
+            dense=(cfg, dict(tiles=TILES, splits=2)))
+    return inp, dict(zip(OVERFLOW_TILES, runs)), dense_answer
+
+
+@pytest.mark.parametrize("name", list(OVERFLOW_TILES))
+def test_dosa_overflow_recovers_exactly(name):
+    """float32 inputs (two bf16 pieces each) and survivor lists too small: exact via recovery
+    (also with each list refined in three slices, the recovery then scanning in as many
+    splits, and the screen's masks packed two groups per byte)."""
+    inp, runs, (didx, dsc) = _overflow_answers()
+    idx, sc, st, det = runs[name]
     assert int(jnp.sum(st.overflows)) > 0
-    didx, dsc = jax.jit(lambda *a: pipeline.dense_topk(*a, cfg, tiles=TILES, splits=2))(*args)
     np.testing.assert_array_equal(np.asarray(idx), np.asarray(didx))
     np.testing.assert_array_equal(np.asarray(sc), np.asarray(dsc))
     assert int(jnp.sum(st.recoveries)) > 0
@@ -674,8 +703,9 @@ def test_dosa_overflow_recovers_exactly(tiles):
 def test_refine_slices_and_launch_order_match_twin():
     """The refinement kernel on hand-made survivor lists (one empty, one shorter than a tile,
     long ones that compact their records, lists of splits of different lengths): cut into 1,
-    2 or 3 slices per list, launched in list order, longest first or outliers first, the selections agree
-    bitwise with each other and with the twin's up to the scorer's rounding."""
+    2 or 3 slices per list, launched in list order, longest first or outliers first, the
+    selections agree bitwise with each other and with the twin's up to the scorer's
+    rounding."""
     from pallas_kernels.refine import launch_order, refine, refine_reference
     from pallas_kernels.scoring import score_reference
     from pallas_kernels.common import ID_BITS
@@ -780,10 +810,12 @@ def test_dosa_waves_equal_one_wave_bitwise():
                                query_dtype="bfloat16")
     cfg = Config(top_k=16, retained_heads=6, seed_size=64, dense_switch=float("inf"))
     args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)
-    # the single wave under jax.jit: one program, like the waves' lax.map (op by op, these
-    # shapes alone compiled ~700 small programs: 39 s against 14 s on a 2-core CPU)
-    one = jax.jit(lambda *a: pipeline.dosa_topk(*a, cfg, tiles=TILES, splits=1, wave=8))(*args)
-    many = pipeline.dosa_topk(*args, cfg, tiles=TILES, splits=1, wave=4)
+    # one wave and waves of 4 in one program under jax.jit (op by op, these shapes alone
+    # compiled ~700 small programs; the two pipelines compile together in about the time of
+    # one and a half)
+    one, many = jax.jit(lambda *a: (
+        pipeline.dosa_topk(*a, cfg, tiles=TILES, splits=1, wave=8),
+        pipeline.dosa_topk(*a, cfg, tiles=TILES, splits=1, wave=4)))(*args)
     for a, b in zip(one[:2], many[:2]):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     for f in one[2]._fields:
