@@ -2,6 +2,8 @@
 predicted cost ratio, and the deferred dense pass of the groups that cannot prune. Exact
 either way: every path equals the dense scan bitwise."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,19 +23,38 @@ def _inputs(T=12):
                                 query_dtype="bfloat16")
 
 
-def _run(cfg, inp, **kw):
-    args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)
-    return jax.jit(lambda *a: pipeline.dosa_topk(*a, cfg, tiles=TILES, splits=2, **kw))(*args)
+BASE = Config(top_k=16, retained_heads=4, seed_size=64)
+#: the deferred-dense test's configuration: the call-level switch off
+DEFERRED = BASE.replace(dense_switch=float("inf"))
+BAD_KEY = 594                      # its scale made invalid: queries seeing it cannot prune
+
+
+@functools.lru_cache(maxsize=None)
+def _answers():
+    """Both pipeline tests' answers from one program (their pipelines compiled together):
+    on the inputs, the dense scan, the switched call and two waves under the GPU's default
+    switch; with key BAD_KEY's scale 0, the dense scan and waves of 4 with the switch off."""
+    inp = _inputs()
+    scale = np.asarray(inp.k_scale).copy()
+    scale[BAD_KEY] = 0.0
+    dosa = lambda a, cfg, **kw: pipeline.dosa_topk(*a, cfg, tiles=TILES, splits=2, **kw)
+    dense_scan = lambda a, cfg: pipeline.dense_topk(*a, cfg, tiles=TILES, splits=2)
+
+    def run(q, k, w, k_scale, bad_scale, lo, hi):
+        a, b = (q, k, w, k_scale, lo, hi), (q, k, w, bad_scale, lo, hi)
+        return dict(dense=dense_scan(a, BASE),
+                    switched=dosa(a, BASE.replace(dense_switch=1e-6)),  # any prediction exceeds it
+                    # two waves, the GPU's default switch (interpret mode's default screens)
+                    auto=dosa(a, BASE.replace(dense_switch=pipeline.DENSE_SWITCH), wave=8),
+                    bad_dense=dense_scan(b, DEFERRED), bad_waves=dosa(b, DEFERRED, wave=4))
+
+    return jax.jit(run)(inp.q, inp.k, inp.w, inp.k_scale, jnp.asarray(scale), inp.lo, inp.hi)
 
 
 def test_every_path_equals_dense_bitwise_and_is_counted():
-    inp = _inputs()
-    base = Config(top_k=16, retained_heads=4, seed_size=64)
-    args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)
-    didx, dsc = pipeline.dense_topk(*args, base, tiles=TILES, splits=2)
-    switched = _run(base.replace(dense_switch=1e-6), inp)          # any prediction exceeds it
-    # two waves, the GPU's default switch (interpret mode's default screens: next assertions)
-    auto = _run(base.replace(dense_switch=pipeline.DENSE_SWITCH), inp, wave=8)
+    out = _answers()
+    didx, dsc = out["dense"]
+    switched, auto = out["switched"], out["auto"]
     for idx, sc, _ in (switched, auto):
         np.testing.assert_array_equal(np.asarray(idx), np.asarray(didx))
         np.testing.assert_array_equal(np.asarray(sc), np.asarray(dsc))
@@ -54,17 +75,12 @@ def test_deferred_direct_groups_are_answered_by_one_dense_pass():
     their range) are dense groups; with waves they are answered after all waves by one dense
     pass, bitwise equal to the dense scan, counted in ``Stats.dense``."""
     inp = _inputs()
-    scale = np.asarray(inp.k_scale).copy()
-    scale[594] = 0.0                          # invalid: queries seeing key 594 cannot prune
-    k_scale = jnp.asarray(scale)
-    cfg = Config(top_k=16, retained_heads=4, seed_size=64, dense_switch=float("inf"))
-    args = (inp.q, inp.k, inp.w, k_scale, inp.lo, inp.hi)
-    didx, dsc = pipeline.dense_topk(*args, cfg, tiles=TILES, splits=2)
-    idx, sc, st = jax.jit(lambda *a: pipeline.dosa_topk(*a, cfg, tiles=TILES, splits=2,
-                                                        wave=4))(*args)
+    out = _answers()
+    didx, dsc = out["bad_dense"]
+    idx, sc, st = out["bad_waves"]
     np.testing.assert_array_equal(np.asarray(idx), np.asarray(didx))
     np.testing.assert_array_equal(np.asarray(sc), np.asarray(dsc))
-    sees = np.asarray(inp.hi) > 594
+    sees = np.asarray(inp.hi) > BAD_KEY
     assert sees.any() and (~sees).any()
     d = np.asarray(st.dense)
     assert d[sees].all()
