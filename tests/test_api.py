@@ -1,5 +1,7 @@
 """Public API contract (DESIGN §12): arguments, errors, jit/vmap, Config as a static pytree."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -142,10 +144,15 @@ def test_exact_topk_public(rng):
 
 def test_hint_witnesses_raise_tau_and_never_change_the_answer(inp):
     cfg = CFG.replace(seed_strategy="sinks", seed_size=8)
-    base = dosa_jax.topk(inp.q, inp.k, inp.w, config=cfg)
-    dense = dosa_jax.dense_topk(inp.q, inp.k, inp.w, config=cfg)
-    hint = jnp.concatenate([dense.indices, dense.indices[:, :3], jnp.full((4, 2), 999, jnp.int32)], 1)
-    got = jax.jit(dosa_jax.topk)(inp.q, inp.k, inp.w, config=cfg, hint=hint)
+
+    def calls(q, k, w):      # the three calls in one program (compiled together)
+        base = dosa_jax.topk(q, k, w, config=cfg)
+        dense = dosa_jax.dense_topk(q, k, w, config=cfg)
+        hint = jnp.concatenate([dense.indices, dense.indices[:, :3],
+                                jnp.full((4, 2), 999, jnp.int32)], 1)
+        return base, dense, dosa_jax.topk(q, k, w, config=cfg, hint=hint)
+
+    base, dense, got = jax.jit(calls)(inp.q, inp.k, inp.w)
     np.testing.assert_array_equal(np.asarray(got.indices), np.asarray(dense.indices))
     np.testing.assert_array_equal(np.asarray(got.scores), np.asarray(dense.scores))
     # with the true Top-K as witnesses τ = τ*: nothing below τ* survives
@@ -155,14 +162,36 @@ def test_hint_witnesses_raise_tau_and_never_change_the_answer(inp):
         dosa_jax.topk(inp.q, inp.k, inp.w, config=cfg, hint=jnp.zeros((3, 2), jnp.int32))
 
 
+WITNESS_CFG = CFG.replace(seed_strategy="sinks", seed_size=16)
+BLOCK_CFG = WITNESS_CFG.replace(block_witnesses=48, witness_block=16)
+
+
+@functools.lru_cache(maxsize=None)
+def _witness_calls():
+    """The witness tests' inputs and, from one program (compiled together), topk without
+    witnesses, dense_topk, topk with anchors, topk with block witnesses, and the gradients
+    (q, w) of the selected scores' sum with and without block witnesses."""
+    x = synthetic.structured(T=16, N=400, H=4, D=16, seed=4)
+
+    def calls(q, k, w):
+        loss = lambda c: lambda q, w: dosa_jax.topk(q, k, w, config=c).scores.sum()
+        return dict(base=dosa_jax.topk(q, k, w, config=WITNESS_CFG),
+                    dense=dosa_jax.dense_topk(q, k, w, config=WITNESS_CFG),
+                    anchored=dosa_jax.topk(q, k, w, config=WITNESS_CFG.replace(anchor_stride=4)),
+                    blocks=dosa_jax.topk(q, k, w, config=BLOCK_CFG),
+                    grads=[jax.grad(loss(c), argnums=(0, 1))(q, w)
+                           for c in (BLOCK_CFG, WITNESS_CFG)])
+
+    return x, jax.jit(calls)(x.q, x.k, x.w)
+
+
+@pytest.mark.xdist_group("api_witnesses")      # one worker: _witness_calls runs once
 def test_anchor_witnesses_reference_backend():
     """Anchors (queries 0, 4, 8, … answered densely first): same answer as dense, τ never
     lower than without, τ = τ* at every anchor; off below 4 anchors' worth of queries."""
-    x = synthetic.structured(T=16, N=400, H=4, D=16, seed=4)
-    cfg = CFG.replace(seed_strategy="sinks", seed_size=16)
-    base = dosa_jax.topk(x.q, x.k, x.w, config=cfg)
-    dense = dosa_jax.dense_topk(x.q, x.k, x.w, config=cfg)
-    got = dosa_jax.topk(x.q, x.k, x.w, config=cfg.replace(anchor_stride=4))
+    cfg = WITNESS_CFG
+    _, out = _witness_calls()
+    base, dense, got = out["base"], out["dense"], out["anchored"]
     np.testing.assert_array_equal(np.asarray(got.indices), np.asarray(dense.indices))
     np.testing.assert_array_equal(np.asarray(got.scores), np.asarray(dense.scores))
     assert np.all(np.asarray(got.stats.tau_seed) >= np.asarray(base.stats.tau_seed))
@@ -172,6 +201,7 @@ def test_anchor_witnesses_reference_backend():
     assert cfg.replace(anchor_stride=8).anchors(16) == 0 and cfg.anchors(16) == 0
 
 
+@pytest.mark.xdist_group("api_witnesses")
 def test_block_witnesses_reference_backend():
     """Block witnesses (each query's best key blocks by their mean key's score): same answer
     as dense, τ never lower than without and raised on some query, fewer survivors; the ids
@@ -179,12 +209,9 @@ def test_block_witnesses_reference_backend():
     from conftest import reference_scores_f64
     from dosa_jax import witnesses
     from dosa_jax.dense import dense_topk_reference
-    x = synthetic.structured(T=16, N=400, H=4, D=16, seed=4)
-    cfg = CFG.replace(seed_strategy="sinks", seed_size=16)
-    base = dosa_jax.topk(x.q, x.k, x.w, config=cfg)
-    dense = dosa_jax.dense_topk(x.q, x.k, x.w, config=cfg)
-    wcfg = cfg.replace(block_witnesses=48, witness_block=16)
-    got = dosa_jax.topk(x.q, x.k, x.w, config=wcfg)
+    cfg, wcfg = WITNESS_CFG, BLOCK_CFG
+    x, out = _witness_calls()
+    base, dense, got, grads = out["base"], out["dense"], out["blocks"], out["grads"]
     np.testing.assert_array_equal(np.asarray(got.indices), np.asarray(dense.indices))
     np.testing.assert_array_equal(np.asarray(got.scores), np.asarray(dense.scores))
     t0, t1 = np.asarray(base.stats.tau_seed), np.asarray(got.stats.tau_seed)
@@ -203,9 +230,7 @@ def test_block_witnesses_reference_backend():
         assert np.all(blocks == blocks[:, :1] + np.arange(16))             # whole blocks
         assert sorted((blocks[:, 0] // 16).tolist()) == sorted(want), t
     # the witnesses move τ only: the selected scores' gradients are the plain call's
-    loss = lambda c: lambda q, w: dosa_jax.topk(q, x.k, w, config=c).scores.sum()
-    for a, b in zip(jax.grad(loss(wcfg), argnums=(0, 1))(x.q, x.w),
-                    jax.grad(loss(cfg), argnums=(0, 1))(x.q, x.w)):
+    for a, b in zip(*grads):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         assert float(jnp.max(jnp.abs(a))) > 0
     with pytest.raises(ValueError, match="block_witnesses"):
