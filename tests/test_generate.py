@@ -31,20 +31,30 @@ GEN_CFG = dosa_jax.Config(backend="reference", capacity=12)
 K, STEPS = 8, 30
 
 
+#: the generations of PROMPT the tests compare: dense selection, decode_topk selection with
+#: contiguous and with paged indexer keys, and dense selection of 2 keys
+RUNS = {"dense": dict(top_k=K, selection="dense"), "contiguous": dict(top_k=K, page_size=0),
+        "paged": dict(top_k=K, page_size=8), "dense_2": dict(top_k=2, selection="dense")}
+
+
 @pytest.fixture(scope="module")
-def dense(model):
+def runs(model):
+    """Every generation of RUNS, from one program (the four loops compiled together)."""
+    return jax.jit(lambda params, ilayers, prompt: {
+        name: gen.generate(params, ilayers, prompt, CFG, ICFG, steps=STEPS, config=GEN_CFG, **kw)
+        for name, kw in RUNS.items()})(*model, PROMPT)
+
+
+@pytest.fixture(scope="module")
+def dense(runs):
     """Dense-selection generation of PROMPT (shared by the tests that compare with it)."""
-    params, ilayers = model
-    return gen.generate(params, ilayers, PROMPT, CFG, ICFG, steps=STEPS, top_k=K,
-                        selection="dense", config=GEN_CFG)
+    return runs["dense"]
 
 
-@pytest.mark.parametrize("page_size", [0, 8], ids=["contiguous", "paged"])
-def test_decode_generation_equals_dense_generation(model, dense, page_size):
-    params, ilayers = model
-    prompt, cfg, steps, b = PROMPT, GEN_CFG, STEPS, dense
-    a = gen.generate(params, ilayers, prompt, CFG, ICFG, steps=steps, top_k=K, config=cfg,
-                     page_size=page_size)
+@pytest.mark.parametrize("name", ["contiguous", "paged"])
+def test_decode_generation_equals_dense_generation(runs, dense, name):
+    prompt, steps, b = PROMPT, STEPS, dense
+    a = runs[name]
     assert a.tokens.shape == (2, 12 + steps)
     np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
     np.testing.assert_array_equal(np.asarray(a.tokens[:, :12]), np.asarray(prompt))
@@ -58,12 +68,9 @@ def test_decode_generation_equals_dense_generation(model, dense, page_size):
     assert (np.asarray(st.witnesses) >= K).all()                 # at least K witnesses
 
 
-def test_selection_changes_the_tokens(model, dense):
+def test_selection_changes_the_tokens(runs, dense):
     """The selection is not idle: reading fewer keys changes the continuation."""
-    params, ilayers = model
-    a = gen.generate(params, ilayers, PROMPT, CFG, ICFG, steps=STEPS, top_k=2, selection="dense",
-                     config=GEN_CFG)
-    assert not np.array_equal(np.asarray(a.tokens), np.asarray(dense.tokens))
+    assert not np.array_equal(np.asarray(runs["dense_2"].tokens), np.asarray(dense.tokens))
 
 
 def test_bad_arguments(model):
