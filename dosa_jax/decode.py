@@ -96,9 +96,11 @@ class DecodeStats(NamedTuple):
 
 
 def candidate_capacity(config: Config) -> int:
-    """Compaction buffer per query: ``Config.capacity`` (at least K), default 2·K."""
+    """Compaction buffer per query: ``Config.capacity`` (at least K), default
+    ``WITNESS_FACTOR``·K (as many as the witnesses: along real text a step's candidates are a
+    few K, and a buffer of 2·K overflowed on a third of the queries at N = 1M)."""
     K = config.top_k
-    return max(K, config.capacity if config.capacity is not None else 2 * K)
+    return max(K, config.capacity if config.capacity is not None else WITNESS_FACTOR * K)
 
 
 def decode_init(batch: int, config: Optional[Config] = None, *, queries: int = 1,

@@ -1,25 +1,32 @@
 """The decode step on the GPU (Pallas Triton): witness scores, one fused scan, exact selection.
 
 A decode step (DESIGN §11, :mod:`dosa_jax.decode`) scores every visible key of every
-sequence in full and keeps only keys at or above the witness threshold τ_w. Three parts:
+sequence in full and keeps only keys at or above the witness threshold τ_w:
 
 1. **witness scores** — the previous step's distinct visible ids of each sequence are
-   gathered (a [B, W, D] table, W ≈ K: small) and scored by the seed kernel
+   gathered (a [B, W, D] table, W = 4·K: small against N) and scored by the seed kernel
    (:func:`pallas_kernels.seeds.seed_scores`, the shared scoring tile); τ_w is each
    query's K-th largest witness order key (``THETA_NONE`` with fewer than K witnesses).
-2. **scan** (:func:`decode_scan`, this module's kernel) — grid (sequence, key split). A
-   program loads its sequence's ≤ 4 queries once (4 query slots, the ``kc`` tile of the
-   dense kernel), streams its split of the sequence's keys in tiles of ``BK`` rows —
-   contiguous rows, or the rows of the page that ``page_table`` names for the tile — scores
-   them with :func:`pallas_kernels.scoring.score_tile` (FP8 payloads are read as they are
-   stored, 1 byte per element, and widened in registers: no copy of the cache), and
-   appends the keys whose order key clears τ_w to its record buffers
+2. **screen** (one query per sequence, FP8 or bf16 keys: :func:`screens`) — the scan kernel
+   (:func:`decode_scan`) with one query slot: grid (sequence, key split), each program
+   streams its split of the sequence's keys in tiles of ``BK`` rows (contiguous, or the
+   page that ``page_table`` names; FP8 payloads read as stored, 1 byte per element, widened
+   in registers) and scores them with :func:`pallas_kernels.scoring.score_tile` on a
+   [BK, D] × [D, H] tile: a quarter of the canonical tile's MMA work, but another head-sum
+   order. So it keeps each key whose *upper bound* u_i = a_i + |α_i|·n_i·coef clears τ_w
+   (:func:`screen_upper`; any two kernel scorers of the same pieces lie within
+   α_i·n_i·E_s of the real score, :func:`screen_margin_coefficient`; n_i bounds the payload
+   norm, :func:`payload_norm_bound`). The buffers are never compacted (that would rank
+   bounds). The candidates are rescored by the seed kernel — the canonical tile — and
+   selected with ``lax.top_k`` (stable: id order breaks ties). A step whose screen cannot
+   certify its candidates (no τ_w, a full buffer, more candidates than ``capacity``) runs 3.
+   instead (``lax.cond``): the answer is the canonical one either way.
+3. **canonical scan** — the same kernel with the dense kernel's 4 query slots (M ≤ 4 real
+   ones): scores in the canonical order, appended to record buffers when they clear τ_w
    (:mod:`pallas_kernels.records`: in id order, no atomics; a full buffer is compacted in
-   place to its exact Top-K and its threshold raised — never a dropped candidate).
-3. **select** — the splits' records (each ≤ K after the scan's last compaction) are
-   gathered, in id order, into a buffer of ``capacity`` slots per query and selected with
-   ``lax.top_k`` (stable: id order breaks ties); queries with more records than the
-   buffer holds are selected over all records instead (``lax.cond``).
+   place to its exact Top-K and its threshold raised — never a dropped candidate); the
+   splits' records are gathered, in id order, into ``capacity`` slots per query and
+   selected with ``lax.top_k``; queries with more records are selected over all records.
 
 Scores are the dense kernel's (:mod:`pallas_kernels.dense`): the same operand pieces, the same
 ``kc`` tile of 4 query slots, the same lane-aligned head sums; a key's ``kc`` score is one
@@ -37,14 +44,18 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from dosa_jax.decode import (DecodeStats, best_witnesses, candidate_capacity, distinct_pool,
-                             select_with_witnesses, sequence_keys, witness_budget)
+from dosa_jax.decode import (WITNESS_FACTOR, DecodeStats, best_witnesses, candidate_capacity,
+                             distinct_pool, select_with_witnesses, sequence_keys,
+                             witness_budget)
+from dosa_jax import numerics as nm
 from dosa_jax.seeds import distinct_visible
 from dosa_jax.selection import INT32_MIN, key_to_score
 from dosa_jax.tiling import round_up_to
+from pallas_kernels import numerics
 from pallas_kernels import records as rec
 from pallas_kernels.common import (ID_BITS, THETA_NONE, compiler_params, interpret_default,
                                    mma_pieces, pad_axis, split_key_tiles)
@@ -60,20 +71,23 @@ SLOTS = 4
 #: Keys per scan tile (at most; a page smaller than this sets the tile): the dense kernel's tuned
 #: 64 (128 keys × 4·H float32 accumulator columns are 256 registers per thread at H = 64).
 KEY_TILE = 64
+#: Keys per screen tile (one query slot: a [BK, 32] accumulator at H = 32).
+SCREEN_KEY_TILE = 64
 #: Programs wanted per step (≈ 4 per SM of an H200's 132) when choosing the key splits.
 PROGRAMS = 528
 
 
 def _scan_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, BK: int, H: int, S: int, C: int, K: int,
                  page: int, max_pages: int, has_scale: bool, pairs, lane_sums: bool,
-                 interpret: bool, contiguous: bool):
+                 interpret: bool, contiguous: bool, BQ: int, screen: bool, norm_bound):
     # contiguous keys: sequence b's rows start at b·page (one page each), no table lookups
     q_refs, (w_ref, hi_ref, th_ref, pt_ref) = refs[:Pq], refs[Pq:Pq + 4]
     k_refs = refs[Pq + 4:Pq + 4 + Pk]
     rest = refs[Pq + 4 + Pk:]
     sc_ref, rest = (rest[0], rest[1:]) if has_scale else (None, rest)
+    e_ref, rest = (rest[0], rest[1:]) if screen else (None, rest)
     rk_ref, ri_ref, cnt_ref, app_ref = rest
-    BQ, CH = SLOTS, tiles.CH
+    CH = tiles.CH
     tpp = page // BK
     b = pl.program_id(0)
     s = pl.program_id(1)
@@ -81,12 +95,13 @@ def _scan_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, BK: int, H: int, S: int,
     qp, wv = load_query_tile(q_refs, w_ref, b, BQ=BQ, H=H, layout=tiles.layout)
     hi = hi_ref[pl.ds(b * BQ, BQ)]
     theta0 = th_ref[pl.ds(b * BQ, BQ)]
+    coef = e_ref[pl.ds(b * BQ, BQ)] if screen else None
     t_ids = b * BQ + jnp.arange(BQ, dtype=jnp.int32)
     base = (t_ids * S + s) * C
     start, stop = split_key_tiles(0, jnp.max(hi), BK, S, s)
     lanes = jnp.arange(BK, dtype=jnp.int32)
 
-    def tile(j, state):
+    def scored(j):
         ids = j * BK + lanes
         if contiguous:
             row0 = b * page + j * BK
@@ -97,36 +112,121 @@ def _scan_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, BK: int, H: int, S: int,
         scale = sc_ref[pl.ds(row0, BK)] if has_scale else jnp.ones((BK,), jnp.float32)
         sc = score_tile(qp, wv, kp, scale, BQ=BQ, H=H, pairs=pairs, layout=tiles.layout,
                         lane_sums=lane_sums)
-        return rec.append_scored_tile(rk_ref, ri_ref, base, state, sc, ids, None, hi, C=C,
-                                      size=size)
+        if screen:
+            sc = screen_upper(sc, kp[0], scale, coef, norm_bound)
+        return sc, ids
 
-    state, appended = rec.scan_tiles(start, stop, tile, theta0, rk_ref, ri_ref, base, K, C=C,
-                                     BK=BK, CH=CH, size=size, interpret=interpret)
+    if screen:   # no compaction (it would rank upper bounds): a full buffer is an overflow
+        def tile_s(j, carry):
+            count, appended = carry
+            sc, ids = scored(j)
+            (count, _, _), n = rec.append_scored_tile(
+                rk_ref, ri_ref, base, (count, theta0, jnp.zeros_like(count)), sc, ids, None,
+                hi, C=C, size=size)
+            return count, appended + n
+
+        zero = jnp.zeros_like(theta0)
+        count, appended = lax.fori_loop(start, stop, tile_s, (zero, zero))
+    else:
+        def tile(j, state):
+            sc, ids = scored(j)
+            return rec.append_scored_tile(rk_ref, ri_ref, base, state, sc, ids, None, hi, C=C,
+                                          size=size)
+
+        state, appended = rec.scan_tiles(start, stop, tile, theta0, rk_ref, ri_ref, base, K,
+                                         C=C, BK=BK, CH=CH, size=size, interpret=interpret)
+        count = state[0]
     oidx = t_ids * S + s
-    cnt_ref[oidx] = state[0]
+    cnt_ref[oidx] = count
     app_ref[oidx] = appended
 
 
+#: Relative widening of the screen's margin and of its sum with the score (covers their
+#: float32 roundings, 2^-24 each, many times over), and an absolute floor.
+_NUDGE_MARGIN = 2.0 ** -20
+_NUDGE_SCORE = 2.0 ** -21
+_TINY = 2.0 ** -120
+
+
+def key_norm_upper(kp, D: int):
+    """Upper bound on each key payload's Euclidean norm inside a kernel ([BK, Dp] single MMA
+    piece: FP8 or bf16 values, exact in float32): Σ x² with relative error ≤ γ_{D+1} plus D
+    flushed squares, one more rounding for the square root."""
+    x = kp.astype(jnp.float32)
+    ss = jnp.sum(x * x, axis=1)
+    g = jnp.float32(nm.gamma(D + 4))
+    # the GPU's square root may be an approximation (relative error ~2^-23): widen by 2^-18
+    return jnp.sqrt(ss * (1.0 + g) + jnp.float32((D + 4) * 2.0 ** -126)) \
+        * jnp.float32(1.0 + 2.0 ** -18)
+
+
+def screen_upper(sc, kp, scale, coef, norm_bound=None):
+    """Upper bounds u ≥ the canonical score of each key of a tile from its 1-slot score ``sc``
+    [BQ, BK] (:func:`screen_margin_coefficient`: |sc − c| ≤ |α|·n·coef), n the payload norm
+    bound: ``norm_bound`` (a constant for every key, :func:`payload_norm_bound`) or, None,
+    each key's (:func:`key_norm_upper`). Non-finite parts give +inf (the key stays a
+    candidate and is rescored)."""
+    if norm_bound is None:
+        n = key_norm_upper(kp, kp.shape[1])
+    else:
+        n = jnp.full((kp.shape[0],), norm_bound, jnp.float32)
+    m = coef[:, None] * (jnp.abs(scale) * n)[None, :]
+    u = sc + (m * jnp.float32(1.0 + _NUDGE_MARGIN) + jnp.abs(sc) * jnp.float32(_NUDGE_SCORE)
+              + jnp.float32(_TINY))
+    ok = (jnp.abs(sc) < jnp.inf) & (m < jnp.inf)
+    return jnp.where(ok, u, jnp.inf)
+
+
+def payload_norm_bound(k_dtype, D: int):
+    """A norm bound of every finite payload of an FP8 dtype: max finite · √D, rounded up
+    (None for other dtypes: the scan bounds each key's norm). FP8 keys quantised per key
+    (max |payload| near the dtype's max) have norms within √D of it, so the constant costs
+    the screen little, and saves the scan a reduction over D per key."""
+    dt = jnp.dtype(k_dtype)
+    if dt.itemsize != 1:
+        return None
+    return float(np.nextafter(np.float32(float(jnp.finfo(dt).max) * np.sqrt(D) * (1 + 2e-7)),
+                              np.float32(np.inf)))
+
+
+def screen_margin_coefficient(q, w, k_dtype):
+    """coef [T]: 2·E_s (:func:`pallas_kernels.numerics.scorer_error_coefficient`). Any two
+    kernel scorers of the same operand pieces — the canonical 4-slot tile and the screen's
+    1-slot tile — lie within α·n_i·E_s of α·s_i (every MMA dot, any head-sum order, the same
+    error model), so within α·n_i·coef of each other."""
+    return 2.0 * numerics.scorer_error_coefficient(q, w, k_dtype)
+
+
 @functools.partial(jax.jit, static_argnames=("K", "S", "C", "BK", "page", "tiles", "H", "pairs",
-                                             "lane_sums", "interpret", "contiguous"))
-def decode_scan(q, w, hi, theta0, page_table, k, scale, *, K, S, C, BK, page, tiles, H, pairs,
-                lane_sums, interpret, contiguous=False):
+                                             "lane_sums", "interpret", "contiguous", "slots",
+                                             "norm_bound"))
+def decode_scan(q, w, hi, theta0, page_table, k, scale, coef=None, *, K, S, C, BK, page, tiles,
+                H, pairs, lane_sums, interpret, contiguous=False, slots=SLOTS, norm_bound=None):
+    """The scan kernel over each sequence's keys for its ``slots`` query slots.
+
+    ``coef`` None: the canonical scores (the dense kernel's 4-slot tile) from thresholds
+    ``theta0``, with compaction (:func:`pallas_kernels.records.scan_tiles`). ``coef`` [T]:
+    the screen — each key's upper bound (:func:`screen_upper`) against ``theta0``, no
+    compaction; ``appended > C`` marks a buffer that overflowed."""
     T = hi.shape[0]
-    B = T // SLOTS
+    B = T // slots
     size = T * S * C
     has_scale = scale is not None
+    screen = coef is not None
     kern = functools.partial(_scan_kernel, Pq=q.shape[0], Pk=k.shape[0], tiles=tiles, BK=BK, H=H,
                              S=S, C=C, K=K, page=page, max_pages=page_table.shape[1],
                              has_scale=has_scale, pairs=pairs, lane_sums=lane_sums,
-                             interpret=interpret, contiguous=contiguous)
+                             interpret=interpret, contiguous=contiguous, BQ=slots,
+                             screen=screen, norm_bound=norm_bound)
     i32 = jnp.int32
     out_shape = (jax.ShapeDtypeStruct((size,), i32), jax.ShapeDtypeStruct((size,), i32),
                  jax.ShapeDtypeStruct((T * S,), i32), jax.ShapeDtypeStruct((T * S,), i32))
-    args = (*q, w, hi, theta0, page_table.reshape(-1), *k) + ((scale,) if has_scale else ())
+    args = ((*q, w, hi, theta0, page_table.reshape(-1), *k) + ((scale,) if has_scale else ())
+            + ((coef.astype(jnp.float32),) if screen else ()))
     rk, ri, cnt, app = pl.pallas_call(
         kern, out_shape=out_shape, grid=(B, S),
         compiler_params=compiler_params(tiles.num_warps, tiles.num_stages),
-        interpret=interpret, name="dosa_decode_scan")(*args)
+        interpret=interpret, name="dosa_decode_screen" if screen else "dosa_decode_scan")(*args)
     return rk.reshape(T, S, C), ri.reshape(T, S, C), cnt.reshape(T, S), app.reshape(T, S)
 
 
@@ -182,6 +282,20 @@ def witness_keys(ops, kp, scale, rows, first, M: int, tiles: Tiles, interpret: b
     return seed_scores(wops, entries[:, None, :], count, tiles=tiles, interpret=interpret)
 
 
+def record_slots(cnt, C: int, capacity: int):
+    """Where slot p of each query's ``capacity`` slots reads from its splits' records laid end
+    to end (``cnt`` [T, S] records per split of C slots): (flat source [T, capacity], 0
+    beyond the records; valid; total records [T])."""
+    S = cnt.shape[1]
+    end = jnp.cumsum(cnt, axis=1)
+    total = end[:, -1]
+    p = jnp.arange(capacity, dtype=jnp.int32)
+    split = jnp.minimum(jnp.sum(p[None, :, None] >= end[:, None, :], axis=2), S - 1)
+    src = split * C + p[None, :] - jnp.take_along_axis(end - cnt, split, axis=1)
+    valid = p[None, :] < total[:, None]
+    return jnp.where(valid, src, 0), valid, total
+
+
 def gather_records(rk, ri, cnt, K: int, capacity: int):
     """Exact Top-K of the splits' records through a buffer of ``capacity`` slots per query.
 
@@ -194,14 +308,7 @@ def gather_records(rk, ri, cnt, K: int, capacity: int):
     (buffer keys, buffer ids) [T, capacity]).
     """
     T, S, C = rk.shape
-    cnt = jnp.minimum(cnt, K)
-    end = jnp.cumsum(cnt, axis=1)
-    total = end[:, -1]
-    p = jnp.arange(capacity, dtype=jnp.int32)
-    split = jnp.minimum(jnp.sum(p[None, :, None] >= end[:, None, :], axis=2), S - 1)
-    src = split * C + p[None, :] - jnp.take_along_axis(end - cnt, split, axis=1)
-    valid = p[None, :] < total[:, None]
-    src = jnp.where(valid, src, 0)
+    src, valid, total = record_slots(jnp.minimum(cnt, K), C, capacity)
     keys = jnp.where(valid, jnp.take_along_axis(rk.reshape(T, S * C), src, axis=1), INT32_MIN)
     ids = jnp.take_along_axis(ri.reshape(T, S * C), src, axis=1)
     top_key, top_pos = lax.top_k(keys, K)
@@ -229,19 +336,24 @@ def record_witnesses(rk, ri, cnt, K: int, n: int, wk, wids):
 
 
 def workspace_bytes(B: int, K: int, W: int, D: int, *, capacity=None, splits: int,
-                    key_tile: int = KEY_TILE, key_bytes: int = 1) -> dict:
+                    key_tile: int = KEY_TILE, key_bytes: int = 1, screen: bool = True) -> dict:
     """Device bytes a decode step allocates besides the key cache (independent of N).
 
-    records: order keys + ids of C slots per (query slot, split); counts; the witness table
-    (gathered keys, scales, entries, order keys); the selection buffer and the witnesses below
-    τ_w (keys + ids: what the next witnesses are chosen from).
+    records: order keys + ids of C slots per (query slot, split) of the canonical scan;
+    counts; the screen's records (one slot per sequence: ``screen``, 0 without it); the
+    witness table (gathered keys, scales, entries, order keys); the candidate table the
+    screen rescores (the same per candidate slot); the selection buffer and the witnesses
+    below τ_w (keys + ids: what the next witnesses are chosen from).
     """
     C = capacity_for(K, key_tile, 2 * K)
     T = B * SLOTS
-    cap = max(K, capacity if capacity is not None else 2 * K)
+    cap = max(K, capacity if capacity is not None else WITNESS_FACTOR * K)
     Wp = round_up_to(W, 64)
+    Cp = round_up_to(cap, 64)
+    table = lambda n: B * n * (D * key_bytes + 4 + 4) + T * n * 4
     parts = dict(records=T * splits * C * 8, counts=T * splits * 8,
-                 witness_table=B * Wp * (D * key_bytes + 4 + 4) + T * Wp * 4,
+                 screen=(B * splits * (C * 8 + 8)) if screen else 0,
+                 witness_table=table(Wp), candidate_table=table(Cp) if screen else 0,
                  selection=T * (cap + Wp) * 8)
     parts["total"] = sum(parts.values())
     return parts
@@ -311,12 +423,9 @@ def witness_threshold(prep: Prepared, ids, lengths, M: int, K: int, *, interpret
     if interpret is None:
         interpret = interpret_default()
     B = ids.shape[0]
-    capacity_keys = prep.page * prep.page_table.shape[1]
     first = distinct_visible(ids, jnp.zeros((B,), jnp.int32), lengths)
-    safe = jnp.clip(ids, 0, capacity_keys - 1)
-    wrows = jnp.take_along_axis(prep.page_table, safe // prep.page, axis=1) * prep.page \
-        + safe % prep.page
-    wk = witness_keys(prep.ops, prep.kp, prep.scale, wrows, first, M, prep.tiles, interpret)
+    wk = witness_keys(prep.ops, prep.kp, prep.scale, key_rows(prep, ids), first, M, prep.tiles,
+                      interpret)
     if wk.shape[1] >= K:
         kth = lax.top_k(wk if combine is None else combine(wk), K)[0][:, K - 1]
         theta = jnp.where(kth == INT32_MIN, THETA_NONE, kth)
@@ -327,25 +436,59 @@ def witness_threshold(prep: Prepared, ids, lengths, M: int, K: int, *, interpret
     return theta, jnp.sum(first, axis=1, dtype=jnp.int32), wk, wids
 
 
-def decode_topk(q, k, w, ids, k_scale, lengths, page_table, config, *, tiles: Tiles = Tiles(),
-                key_tile: int = KEY_TILE, splits=None, interpret=None, combine=None):
-    """One decode step by the kernels (validated inputs: q [B, M, H, D], w [B, M, H]).
+def screen_records(prep: Prepared, q, w, theta, lengths, K: int, *, splits=None,
+                   interpret=None, key_tile: int = SCREEN_KEY_TILE, norm="auto"):
+    """The screen (one query slot per sequence, M = 1): record buffers of the keys whose upper
+    bound clears ``theta`` [B] (order keys of the bounds and ids [B, S, C]; counts ≤ C and
+    appended [B, S]; appended > C: that buffer overflowed). The upper bounds are ≥ the
+    canonical scores, so every key whose canonical score clears ``theta`` is recorded unless
+    a buffer overflowed."""
+    if interpret is None:
+        interpret = interpret_default()
+    B = prep.page_table.shape[0]
+    BK = scan_tile(prep.page, key_tile)
+    S = splits or default_splits(B, prep.page * prep.page_table.shape[1] // BK)
+    C = capacity_for(K, BK, 2 * K)
+    nb = payload_norm_bound(prep.kp.dtype, prep.kp.shape[2]) if norm == "auto" else norm
+    ops = prepare_operands(q[:, 0], w[:, 0], None, None, 1, jnp.bfloat16, "kc", widen_fp8=False,
+                           lane_sums=False, keys=(prep.kp, jnp.ones((1,), jnp.float32)))
+    coef = screen_margin_coefficient(q[:, 0], w[:, 0], prep.kp.dtype)
+    return decode_scan(ops.q, ops.w, lengths.astype(jnp.int32), theta, prep.page_table, prep.kp,
+                       prep.scale, coef, K=K, S=S, C=C, BK=BK, page=prep.page,
+                       tiles=prep.tiles, H=ops.H, pairs=ops.pairs, lane_sums=False,
+                       interpret=interpret, contiguous=prep.contiguous, slots=1,
+                       norm_bound=nb)
 
-    Returns (indices [B, M, K], scores [B, M, K], DecodeStats [B, M], next witnesses
-    [B, M, W / M]) as :func:`dosa_jax.decode.decode_topk_reference`, indices and scores
-    bitwise equal to ``dense_topk`` on the pallas backend. The next witnesses are the best
-    of the selection buffer (of all records on overflow) and the witnesses, each id once;
-    with ``combine`` (context parallel) they are (ids, order keys), as the reference's.
-    """
-    B, M = q.shape[:2]
-    K = config.top_k
-    carry = witness_budget(ids.shape[1], M)
-    prep = prepare(q, w, k, k_scale, page_table, tiles=tiles, key_tile=key_tile)
-    theta, n_wit, wk, wids = witness_threshold(prep, ids, lengths, M, K, interpret=interpret,
-                                               combine=combine)
+
+def gather_candidates(ri, cnt, capacity: int):
+    """The recorded ids of every split laid end to end (id order) in ``capacity`` slots per
+    query: (ids [T, capacity] (−1 pads), valid, total records [T])."""
+    T, S, C = ri.shape
+    src, valid, total = record_slots(cnt, C, capacity)
+    ids = jnp.take_along_axis(ri.reshape(T, S * C), src, axis=1)
+    return jnp.where(valid, ids, -1), valid, total
+
+
+def key_rows(prep: Prepared, ids):
+    """Rows in ``prep.kp`` of each sequence's key ids [B, n] (clipped: mask invalid ones)."""
+    safe = jnp.clip(ids, 0, prep.page * prep.page_table.shape[1] - 1)
+    return jnp.take_along_axis(prep.page_table, safe // prep.page, axis=1) * prep.page \
+        + safe % prep.page
+
+
+def screens(q, k) -> bool:
+    """Whether a step takes the screen: one query per sequence and keys of one MMA piece
+    (FP8 or bf16), whose payload norms the scan bounds in registers."""
+    return q.shape[1] == 1 and len(mma_pieces(jnp.zeros((1, 1), k.dtype), jnp.bfloat16,
+                                              widen_fp8=False)) == 1
+
+
+def exact_step(prep, theta, wk, wids, lengths, B: int, M: int, K: int, cap: int, carry: int,
+                splits, interpret):
+    """(indices, scores, candidates, overflow [B·M], next (ids, keys)) by the canonical scan."""
     rk, ri, cnt, app = scan_records(prep, theta, lengths, M, K, splits=splits,
                                     interpret=interpret)
-    idx, sc, _, over, (bk, bi) = gather_records(rk, ri, cnt, K, candidate_capacity(config))
+    idx, sc, _, over, (bk, bi) = gather_records(rk, ri, cnt, K, cap)
     r = lambda x: x.reshape(B, SLOTS, *x.shape[1:])[:, :M]
     rm = lambda x: r(x).reshape((B * M,) + x.shape[1:])      # the M real slots only
     wit = (rm(wk), rm(wids))     # split buffers end compacted to their Top-K: dedupe by id
@@ -354,15 +497,76 @@ def decode_topk(q, k, w, ids, k_scale, lengths, page_table, config, *, tiles: Ti
         jnp.where(rm(over)[:, None], a, b)
         for a, b in zip(record_witnesses(rm(rk), rm(ri), rm(cnt), K, carry, *wit), x)),
         lambda x: x, nxt)
-    nxt = tuple(a.reshape(B, M, carry) for a in nxt)
     merged = jnp.any(app > rk.shape[2] - prep.BK, axis=1)   # a buffer compacted mid-scan
+    return (rm(idx), rm(sc), rm(jnp.sum(app, axis=1)), rm((over | merged).astype(jnp.int32)),
+            nxt)
+
+
+def screened_step(prep, q, w, theta, wk, wids, lengths, B: int, K: int, cap: int, carry: int,
+                   splits, interpret):
+    """The same by the screen (M = 1): keys whose upper bound clears τ_w, rescored by the
+    canonical tile (the seed kernel), selected; and whether the step needs the exact scan
+    instead (no τ_w, an overflowing buffer, more candidates than ``cap``)."""
+    theta1 = theta[::SLOTS]
+    _, ri, cnt, app = screen_records(prep, q, w, theta1, lengths, K, splits=splits,
+                                     interpret=interpret)
+    ids, valid, total = gather_candidates(ri, cnt, cap)
+    need_exact = (theta1 == THETA_NONE) | jnp.any(app > ri.shape[2], axis=1) | (total > cap)
+    ck = witness_keys(prep.ops, prep.kp, prep.scale, key_rows(prep, ids), valid, 1, prep.tiles,
+                      interpret)[::SLOTS]
+    ids = pad_axis(ids, 1, ck.shape[1], -1)
+    top_key, top_pos = lax.top_k(ck, K)
+    idx = jnp.where(top_key == INT32_MIN, -1, jnp.take_along_axis(ids, top_pos, axis=1))
+    nxt = best_witnesses(*distinct_pool(ck, ids, wk[::SLOTS], wids[::SLOTS]), carry)
+    cand = jnp.sum(ck >= theta1[:, None], axis=1, dtype=jnp.int32)   # canonical ≥ τ_w
+    return (idx, key_to_score(top_key), cand, jnp.zeros((B,), jnp.int32), nxt), need_exact
+
+
+def decode_topk(q, k, w, ids, k_scale, lengths, page_table, config, *, tiles: Tiles = Tiles(),
+                key_tile: int = KEY_TILE, splits=None, interpret=None, combine=None,
+                screen=None):
+    """One decode step by the kernels (validated inputs: q [B, M, H, D], w [B, M, H]).
+
+    Returns (indices [B, M, K], scores [B, M, K], DecodeStats [B, M], next witnesses
+    [B, M, W / M]) as :func:`dosa_jax.decode.decode_topk_reference`, indices and scores
+    bitwise equal to ``dense_topk`` on the pallas backend. The next witnesses are the best
+    of the selection buffer (of all records on overflow) and the witnesses, each id once;
+    with ``combine`` (context parallel) they are (ids, order keys), as the reference's.
+
+    ``screen`` (default: :func:`screens`): scan with one query slot and each key's upper
+    bound, rescore the candidates with the canonical tile; a step whose screen cannot
+    certify its candidates (no τ_w, an overflow) runs the canonical scan instead
+    (``lax.cond``), so the answer is the canonical one either way.
+    """
+    B, M = q.shape[:2]
+    K = config.top_k
+    cap = candidate_capacity(config)
+    carry = witness_budget(ids.shape[1], M)
+    prep = prepare(q, w, k, k_scale, page_table, tiles=tiles, key_tile=key_tile)
+    theta, n_wit, wk, wids = witness_threshold(prep, ids, lengths, M, K, interpret=interpret,
+                                               combine=combine)
+    exact = functools.partial(exact_step, prep, theta, wk, wids, lengths, B, M, K, cap, carry,
+                              splits, interpret)
+    if screen is None:
+        screen = screens(q, k)
+    if screen:
+        if M != 1:
+            raise ValueError(f"the decode screen takes one query per sequence, got M={M}")
+        out, need_exact = screened_step(prep, q, w, theta, wk, wids, lengths, B, K, cap, carry,
+                                         splits, interpret)
+        idx, sc, cand, over, nxt = lax.cond(jnp.any(need_exact), lambda o: exact(), lambda o: o,
+                                            out)
+    else:
+        idx, sc, cand, over, nxt = exact()
+    r = lambda x: x.reshape(B, SLOTS, *x.shape[1:])[:, :M]
+    rb = lambda x: x.reshape(B, M, *x.shape[1:])
+    nxt = tuple(a.reshape(B, M, carry) for a in nxt)
     stats = DecodeStats(visible=jnp.broadcast_to(lengths[:, None], (B, M)).astype(jnp.int32),
                         witnesses=jnp.broadcast_to(n_wit[:, None], (B, M)),
                         tau_witness=r(jnp.where(theta == THETA_NONE, -jnp.inf,
                                                 key_to_score(theta))),
-                        candidates=r(jnp.sum(app, axis=1)),
-                        overflow=r((over | merged).astype(jnp.int32)))
-    return r(idx), r(sc), stats, (nxt if combine is not None else nxt[0])
+                        candidates=rb(cand), overflow=rb(over))
+    return rb(idx), rb(sc), stats, (nxt if combine is not None else nxt[0])
 
 
 def decode_topk_reference(q, k, w, ids, k_scale, lengths, page_table, config):
@@ -383,6 +587,8 @@ def decode_topk_reference(q, k, w, ids, k_scale, lengths, page_table, config):
 
 
 __all__ = ["KEY_TILE", "Prepared", "SLOTS", "decode_scan", "decode_topk", "decode_topk_reference",
-           "default_splits", "gather_records", "key_layout", "prepare", "record_witnesses",
-           "scan_records", "scan_tile",
+           "default_splits", "gather_candidates", "gather_records", "key_layout", "key_norm_upper",
+           "key_rows", "prepare", "record_witnesses", "scan_records", "scan_tile",
+           "exact_step", "screen_margin_coefficient", "screen_records", "screen_upper",
+           "screened_step", "screens",
            "witness_keys", "witness_threshold", "workspace_bytes"]

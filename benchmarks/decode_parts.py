@@ -1,0 +1,168 @@
+"""Where a decode step's time goes: each part of ``pallas_kernels.decode.decode_topk`` timed
+alone on the state a generation loop has (``python -m benchmarks.decode_parts``).
+
+One trained-indexer case (default code 2, H = 32) at B sequences and N keys, contiguous FP8
+keys, along consecutive positions (``benchmarks.decode``'s streams): the state is two steps
+from ``decode_init``. Then, each jitted on its own and timed on the device clock (median
+of ``--repeats`` calls after warm-up):
+
+* ``step``: the whole step through ``dosa_jax.decode_topk``;
+* ``witness``: operands + the witness scores and τ_w (``witness_threshold``);
+* ``screen``: the one-slot screen kernel from those τ_w (``screen_records``);
+* ``screened``: the screened step after τ_w (``screened_step``: the screen, the candidates
+  rescored by the canonical tile, their selection and the next witnesses);
+* ``scan``: the canonical scan kernel from those τ_w (``scan_records``, what a step that the
+  screen cannot certify runs);
+* ``gather``: the splits' records into the selection buffer and its Top-K
+  (``gather_records``, its overflow fallback included when a query overflows);
+* ``update``: the next witnesses from the buffer and the witnesses (``distinct_pool`` +
+  ``best_witnesses``);
+* ``overflow update``: the same from all records (``record_witnesses``, the overflow path);
+* ``records select``: the exact selection over all records (the overflow fallback alone);
+* ``top_k rows``: ``lax.top_k`` of the witness order keys over all 4 slots per sequence and
+  over the M real ones (what the padded slots cost).
+
+Also per query: candidates, and whether its records overflowed the buffer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import dosa_jax
+from benchmarks.decode import batch_streams, caches
+from benchmarks.devtime import timeit
+from benchmarks.report import Table, log, run_meta
+
+
+class Shape(NamedTuple):
+    domain: str
+    layer: int
+    H: int
+    N: int
+    B: int
+    K: int
+    capacity: object
+
+
+def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, out: str,
+        capacity=None):
+    from dosa_jax import datasets
+    from dosa_jax.decode import best_witnesses, distinct_pool, witness_budget
+    from pallas_kernels import decode as kd
+    from pallas_kernels import records as rec
+
+    inp = datasets.trained(domain, layer, length=N, num_queries=8 * B + 4, heads=H)
+    qs, ws, ls = batch_streams(inp, B, 3)
+    k, s, _ = caches(inp, B, False)
+    cfg = dosa_jax.Config(top_k=K, backend="auto", capacity=capacity)
+    cap = kd.candidate_capacity(cfg)
+    step = jax.jit(lambda q, w, n, k, s, st: dosa_jax.decode_topk(q, k, w, st, k_scale=s,
+                                                                  lengths=n, config=cfg))
+    st = dosa_jax.decode_init(B, cfg)
+    for t in range(3):
+        res, st = step(qs[t], ws[t], ls[t], k, s, st)
+    q, w, n = qs[3][:, None], ws[3][:, None], ls[3]
+    ids = st.ids
+    M = 1
+
+    def prep(q, w, k, s):
+        return kd.prepare(q, w, k, s, None)
+
+    f_wit = jax.jit(lambda q, w, k, s, ids, n: kd.witness_threshold(prep(q, w, k, s), ids, n, M,
+                                                                    K))
+    theta, n_wit, wk, wids = f_wit(q, w, k, s, ids, n)
+    f_scan = jax.jit(lambda q, w, k, s, theta, n: kd.scan_records(prep(q, w, k, s), theta, n, M,
+                                                                  K))
+    rk, ri, cnt, app = f_scan(q, w, k, s, theta, n)
+    f_screen = jax.jit(lambda q, w, k, s, theta, n: kd.screen_records(
+        prep(q, w, k, s), q, w, theta[::kd.SLOTS], n, K))
+    f_screened = jax.jit(lambda q, w, k, s, theta, wk, wids, n: kd.screened_step(
+        prep(q, w, k, s), q, w, theta, wk, wids, n, B, K, cap, witness_budget(ids.shape[1], M),
+        None, None))
+    need_exact = f_screened(q, w, k, s, theta, wk, wids, n)[1]
+    f_gather = jax.jit(lambda rk, ri, cnt: kd.gather_records(rk, ri, cnt, K, cap))
+    idx, sc, total, over, (bk, bi) = f_gather(rk, ri, cnt)
+    carry = witness_budget(ids.shape[1], M)
+    real = jnp.arange(B) * kd.SLOTS
+    f_update = jax.jit(lambda bk, bi, wk, wids: best_witnesses(
+        *distinct_pool(bk[real], bi[real], wk[real], wids[real]), carry))
+    f_recwit = jax.jit(lambda rk, ri, cnt, wk, wids: kd.record_witnesses(
+        rk[real], ri[real], cnt[real], K, carry, wk[real], wids[real]))
+    f_selrec = jax.jit(lambda rk, ri, cnt: rec.select_from_records(rk, ri, cnt, K))
+    f_top_all = jax.jit(lambda wk: lax.top_k(wk, K)[0][:, K - 1])
+    f_top_real = jax.jit(lambda wk: lax.top_k(wk[real], K)[0][:, K - 1])
+
+    variants = []
+    for tile in (64, 128, 256):
+        for norm in ("auto", None):
+            f = jax.jit(functools.partial(lambda q, w, k, s, theta, n, tile, norm:
+                                          kd.screen_records(prep(q, w, k, s), q, w,
+                                                            theta[::kd.SLOTS], n, K,
+                                                            key_tile=tile, norm=norm),
+                                          tile=tile, norm=norm))
+            recorded = float(jnp.mean(jnp.sum(f(q, w, k, s, theta, n)[2], axis=1)))
+            variants.append((f"screen BK={tile} norm={'each key' if norm is None else 'dtype'}"
+                             f" ({recorded:.0f} recorded/query)", f, (q, w, k, s, theta, n)))
+    parts = [("step", step, (qs[3], ws[3], ls[3], k, s, st)),
+             ("witness", f_wit, (q, w, k, s, ids, n)),
+             ("screen", f_screen, (q, w, k, s, theta, n)),
+             ("screened", f_screened, (q, w, k, s, theta, wk, wids, n)),
+             ("scan", f_scan, (q, w, k, s, theta, n)),
+             ("gather", f_gather, (rk, ri, cnt)),
+             ("update", f_update, (bk, bi, wk, wids)),
+             ("overflow update", f_recwit, (rk, ri, cnt, wk, wids)),
+             ("records select", f_selrec, (rk, ri, cnt)),
+             ("top_k rows all slots", f_top_all, (wk,)),
+             ("top_k rows real slots", f_top_real, (wk,))] + variants
+    meta = run_meta(Shape(domain, layer, H, N, B, K, cap))
+    meta["command"] = "python -m benchmarks.decode_parts " + " ".join(sys.argv[1:])
+    tab = Table("decode_parts", f"Decode step by part: {domain} {layer} H={H}, N={N}, B={B}, "
+                f"K={K}, capacity {cap}", [("part", "part"), ("ms", "ms"),
+                                            ("share", "of the step"), ("clock", "clock")],
+                out, meta, notes=[
+                    f"median of {repeats} calls after 2 warm-up, each part jitted alone",
+                    "candidates/query: "
+                    + ", ".join(f"{x:.0f}" for x in np.asarray(total[real])),
+                    f"steps the screen cannot certify: {int(jnp.any(need_exact))}; "
+                    f"queries over the buffer: {int(jnp.sum(over[real]))} of {B}; splits "
+                    f"compacted mid-scan: {int(jnp.sum(app > rk.shape[2] - 64))}; "
+                    f"splits {rk.shape[1]}, records per split {rk.shape[2]}"])
+    t_step = None
+    for name, f, a in parts:
+        t = timeit(f, *a, warmup=2, repeats=repeats)
+        t_step = t.seconds if t_step is None else t_step
+        tab.add(dict(part=name, ms=t.seconds * 1e3, share=t.seconds / t_step, clock=t.clock))
+        log(f"[decode_parts] {name}: {t.seconds * 1e3:.3f} ms")
+    return tab
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.decode_parts", description=__doc__)
+    ap.add_argument("--domain", default="code")
+    ap.add_argument("--layer", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--N", type=int, default=1 << 20)
+    ap.add_argument("--B", type=int, default=8)
+    ap.add_argument("--K", type=int, default=2048)
+    ap.add_argument("--capacity", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
+    a = ap.parse_args(argv)
+    tab = run(a.domain, a.layer, a.heads, a.N, a.B, a.K, a.repeats, a.out, a.capacity)
+    tab.write()
+    print(tab.markdown())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""The decode screen (DESIGN §11): one query slot per sequence, an upper bound per key, the
+candidates rescored by the canonical tile. The bound is checked on every key; the screened
+step equals the canonical step and ``dense_topk`` bitwise, with adversarial inputs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dosa_jax
+from pallas_kernels import decode as kd
+from test_decode import D, H, _bits, _dense_per_sequence, _keys, _paged, _walk
+
+
+def _all_keys(rk, ri, cnt, slot_rows, N):
+    """Per query row, the recorded order key of each id (INT32_MIN where not recorded)."""
+    rk, ri, cnt = np.asarray(rk), np.asarray(ri), np.asarray(cnt)
+    out = np.full((len(slot_rows), N), np.iinfo(np.int32).min, np.int64)
+    for o, t in enumerate(slot_rows):
+        for s in range(rk.shape[1]):
+            n = cnt[t, s]
+            out[o, ri[t, s, :n]] = rk[t, s, :n]
+    return out
+
+
+def _problem(rng, B, N, key_dtype, q_dtype):
+    if key_dtype == "fp8":
+        k, s = _keys(rng, B, N, jnp.float8_e4m3fn)
+        # FP8 extremes: the largest payloads, subnormals, zero keys; scales 2^±30
+        k = k.at[0, :8].set(448.0).at[0, 8:16].set(2.0 ** -9).at[1, :8].set(0.0)
+        s = s.at[1, 8:16].set(2.0 ** 30).at[1, 16:24].set(2.0 ** -30)
+    else:
+        k, s = _keys(rng, B, N, jnp.bfloat16)[0], None
+    q = jnp.asarray(rng.normal(size=(B, 1, H, D)) * 3, q_dtype)
+    w = jnp.asarray(rng.normal(size=(B, 1, H)), jnp.float32)
+    return q, k, s, w
+
+
+def _check_bound(q, k, s, w, lengths, interpret, splits=2):
+    """u_i ≥ the canonical score of every visible key (order keys of both kernels, no
+    threshold, buffers large enough for all keys), and u_i − c_i is a small fraction of the
+    score's magnitude α_i·n_i·Σ_h |w_h|‖q_h‖ (the bound is not vacuous; n_i the screen's
+    payload norm bound: FP8's for every key, else ‖k_i‖ plus the allowance for flushed
+    squares)."""
+    B, N = k.shape[:2]
+    prep = kd.prepare(q, w, k, s, None)
+    none4 = jnp.full((B * kd.SLOTS,), kd.THETA_NONE, jnp.int32)
+    rk, ri, cnt, _ = kd.scan_records(prep, none4, lengths, 1, N, splits=splits,
+                                     interpret=interpret)
+    canon = _all_keys(rk, ri, cnt, range(0, B * kd.SLOTS, kd.SLOTS), N)
+    rk, ri, cnt, app = kd.screen_records(prep, q, w, none4[:B], lengths, N, splits=splits,
+                                         interpret=interpret)
+    assert (np.asarray(app) <= rk.shape[2]).all()
+    upper = _all_keys(rk, ri, cnt, range(B), N)
+    kf = np.asarray(k, np.float64)
+    sf = np.ones((B, N)) if s is None else np.asarray(s, np.float64)
+    qf = np.asarray(q[:, 0], np.float64)
+    nb = kd.payload_norm_bound(k.dtype, prep.kp.shape[2])    # FP8: one bound for every key
+    norms = np.linalg.norm(kf, axis=2) + 1e-17 if nb is None else np.full((B, N), nb)
+    mag = (np.abs(sf) * norms   # + the flush allowance
+           * np.sum(np.abs(np.asarray(w[:, 0])) * np.linalg.norm(qf, axis=2), axis=1)[:, None])
+    to_f = lambda x: dosa_jax.selection.key_to_score(jnp.asarray(x, jnp.int32))
+    for b in range(B):
+        n = int(lengths[b])
+        c, u = canon[b, :n], upper[b, :n]
+        fin = c != np.iinfo(np.int32).min
+        assert fin.all() and (upper[b, :n] != np.iinfo(np.int32).min).all()
+        assert (u >= c).all(), f"sequence {b}: the bound fails on {np.sum(u < c)} keys"
+        gap = np.asarray(to_f(u), np.float64) - np.asarray(to_f(c), np.float64)
+        assert (gap <= 1e-4 * mag[b, :n] + 1e-30).all()
+        assert (canon[b, n:] == np.iinfo(np.int32).min).all()   # beyond the length: none
+
+
+@pytest.mark.parametrize("key_dtype", ["fp8", "bf16"])
+@pytest.mark.parametrize("q_dtype", [jnp.bfloat16, jnp.float32])
+def test_screen_bound_holds_on_every_key_and_is_tight(key_dtype, q_dtype):
+    rng = np.random.default_rng(0)
+    B, N = 2, 384
+    q, k, s, w = _problem(rng, B, N, key_dtype, q_dtype)
+    w = w.at[1].set(jnp.abs(w[1]))                     # one sequence's weights all one sign
+    _check_bound(q, k, s, w, jnp.array([N, 250], jnp.int32), True)
+
+
+ON_GPU = dosa_jax.backend.on_gpu()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+def test_gpu_compiled_screen_bound_holds_on_every_key():
+    """Compiled kernels (the GPU's MMA, square root and flushing): the bound on every key of
+    a trained indexer's FP8 keys (code, layer 3, its last query) and of Gaussian FP8 keys
+    with extreme payloads and scales."""
+    from dosa_jax import datasets
+    inp = datasets.trained("code", 3, length=32768, num_queries=1)
+    q = inp.q[None].astype(jnp.bfloat16)
+    _check_bound(q, inp.k[None], inp.k_scale[None], inp.w[None],
+                 jnp.array([inp.k.shape[0]], jnp.int32), False, splits=8)
+    rng = np.random.default_rng(3)
+    q, k, s, w = _problem(rng, 2, 8192, "fp8", jnp.bfloat16)
+    _check_bound(q, k, s, w, jnp.array([8192, 5000], jnp.int32), False, splits=4)
+    _check_bound(q, k.astype(jnp.bfloat16), None, w, jnp.array([8192, 5000], jnp.int32), False,
+                 splits=4)                                  # each key's norm, in registers
+
+
+def _steps(q0, k, s, w, lengths, K, steps, rng, change=None, page=None):
+    """Consecutive screened and canonical steps from the same witnesses; both against
+    dense_topk. Returns how often the screen certified the step."""
+    B = k.shape[0]
+    cfg = dosa_jax.Config(top_k=K, capacity=3 * K)
+    ids = jnp.full((B, 4 * K), -1, jnp.int32)
+    kp, sp, pt = (k, s, None) if page is None else _paged(k, s, page, rng)
+    certified = 0
+    q = q0
+    for t in range(steps):
+        q = (rng.normal(size=q.shape) if t == change else q) + 0.05 * rng.normal(size=q.shape)
+        qt = jnp.asarray(q, jnp.bfloat16)
+        a = kd.decode_topk(qt, kp, w, ids, sp, lengths, pt, cfg, interpret=True, splits=2,
+                           screen=True)
+        e = kd.decode_topk(qt, kp, w, ids, sp, lengths, pt, cfg, interpret=True, splits=2,
+                           screen=False)
+        di, ds = _dense_per_sequence(qt, k, w, s, lengths, cfg.replace(backend="pallas"))
+        for x, y in ((a[0], e[0]), (a[0], di)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        np.testing.assert_array_equal(_bits(a[1]), _bits(ds))
+        np.testing.assert_array_equal(_bits(a[1]), _bits(e[1]))
+        # the canonical scan counts keys above its running threshold (raised by compactions)
+        assert (np.asarray(a[2].candidates) >= np.asarray(e[2].candidates)).all()
+        prep = kd.prepare(qt, w, kp, sp, pt)
+        theta, _, wk, wids = kd.witness_threshold(prep, ids, lengths, 1, K, interpret=True)
+        _, need_exact = kd.screened_step(prep, qt, w, theta, wk, wids, lengths, B, K,
+                                         kd.candidate_capacity(cfg), 4 * K, 2, True)
+        certified += int(not bool(jnp.any(need_exact)))
+        ids = a[3].reshape(B, -1)
+        lengths = lengths + 1
+    return certified
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_screened_steps_equal_the_canonical_steps_and_dense(paged):
+    """FP8 keys with scales along a random walk with a topic change: the first step (no
+    witnesses) and the change take the canonical scan, the others the screen; every step
+    equals the canonical step and dense_topk bitwise."""
+    rng = np.random.default_rng(1)
+    B, N, K = 2, 512, 16
+    k, s = _keys(rng, B, N, jnp.float8_e4m3fn)
+    q0 = rng.normal(size=(B, 1, H, D))
+    w = jnp.asarray(rng.normal(size=(B, 1, H)), jnp.float32)
+    certified = _steps(q0, k, s, w, jnp.array([400, 333], jnp.int32), K, 6, rng, change=4,
+                       page=64 if paged else None)
+    assert 2 <= certified <= 5
+
+
+def test_adversarial_inputs_screened_or_not_equal_dense():
+    """Zero keys (massive ties), NaN payloads, an infinite query component (its margin is
+    infinite: every key a candidate, the canonical scan answers), lengths 0 and < K, all
+    weights one sign, bf16 keys: every answer equals dense_topk bitwise."""
+    rng = np.random.default_rng(2)
+    B, N, K = 4, 256, 16
+    k, s = _keys(rng, B, N, jnp.float8_e4m3fn)
+    k = k.at[0, 100:200].set(0.0).at[1, 7].set(jnp.nan)
+    q = jnp.asarray(rng.normal(size=(B, 1, H, D)), jnp.bfloat16)
+    q = q.at[2, 0, 1, 3].set(jnp.inf)
+    w = jnp.asarray(rng.normal(size=(B, 1, H)), jnp.float32).at[3].set(-1.0)
+    cfg = dosa_jax.Config(top_k=K, capacity=3 * K)
+    for lengths in (jnp.array([256, 200, 256, 150], jnp.int32),
+                    jnp.array([0, 5, 16, 256], jnp.int32)):
+        di, ds = _dense_per_sequence(q, k, w, s, lengths, cfg.replace(backend="pallas"))
+        ids = jnp.asarray(np.asarray(di[:, 0]), jnp.int32)      # witnesses: last answer
+        ids = jnp.concatenate([ids, jnp.full((B, 3 * K), -1, jnp.int32)], axis=1)
+        for kk, ss in ((k, s), (k.astype(jnp.bfloat16), None)):
+            if ss is None:
+                di, ds = _dense_per_sequence(q, kk, w, None, lengths, cfg.replace(
+                    backend="pallas"))
+            a = kd.decode_topk(q, kk, w, ids, ss, lengths, None, cfg, interpret=True, splits=2)
+            np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(di))
+            np.testing.assert_array_equal(_bits(a[1]), _bits(ds))
+    assert 7 not in np.asarray(a[0][1])
+
+
+def test_screens_only_one_query_of_one_piece_keys():
+    assert kd.screens(jnp.zeros((2, 1, 4, 8)), jnp.zeros((2, 8, 8), jnp.float8_e4m3fn))
+    assert kd.screens(jnp.zeros((2, 1, 4, 8)), jnp.zeros((2, 8, 8), jnp.bfloat16))
+    assert not kd.screens(jnp.zeros((2, 1, 4, 8)), jnp.zeros((2, 8, 8), jnp.float32))
+    assert not kd.screens(jnp.zeros((2, 2, 4, 8)), jnp.zeros((2, 8, 8), jnp.bfloat16))
+    with pytest.raises(ValueError, match="one query per sequence"):
+        kd.decode_topk(jnp.zeros((1, 2, H, D)), jnp.zeros((1, 64, D), jnp.bfloat16),
+                       jnp.ones((1, 2, H)), jnp.full((1, 8), -1, jnp.int32), None,
+                       jnp.array([64]), None, dosa_jax.Config(top_k=4), interpret=True,
+                       screen=True)
