@@ -6,11 +6,16 @@
     python -m benchmarks select                         # exact_topk vs lax.top_k
     python -m benchmarks decode [--cases H32]           # decode_topk per step, B = 1, 8, 64
     python -m benchmarks matrix --quick                 # tiny shapes, CPU smoke run
+    python -m benchmarks matrix --N 1m --weights slack  # the slack-regularised indexers
 
 Presets (shapes, cases, timing counts) are data in :mod:`benchmarks.shapes`; the
 measurements are in :mod:`benchmarks.presets`. Each run writes ``<preset>.md`` and
 ``<preset>.json`` (``--tag`` adds a suffix) to ``--out`` (default ``$OUT``, else
-``./bench_out``), rewritten after every row.
+``./bench_out``), rewritten after every row. ``--weights`` picks the trained indexers
+(``dosa_jax.datasets.trained(..., weights=...)``): ``committed`` (the default) or ``slack`` (the
+slack-regularised fine-tune, ``dosa_jax/data/lm_weights_slack.npz``); the choice is in the
+table's meta and notes, and a ``slack`` run's file names end in ``slack`` (``--tag``, default
+``slack``, gets ``_slack`` appended unless it says ``slack``).
 """
 
 from __future__ import annotations
@@ -68,6 +73,18 @@ def parse_cases(spec: str, preset):
     return tuple(out)
 
 
+#: ``--weights`` choices (``dosa_jax.datasets.trained``'s ``weights``).
+WEIGHTS = ("committed", "slack")
+
+
+def weights_tag(tag: str, weights: str) -> str:
+    """The output suffix: ``tag`` itself for the committed weights; for any other weights a
+    suffix naming them (``slack`` alone, or ``<tag>_slack`` unless ``tag`` already says so)."""
+    if weights == "committed" or weights in tag:
+        return tag
+    return f"{tag}_{weights}" if tag else weights
+
+
 def run(argv=None):
     """Run a preset; returns its :class:`benchmarks.report.Table`."""
     from benchmarks.presets import RUNNERS
@@ -80,6 +97,9 @@ def run(argv=None):
     ap.add_argument("--warmup", type=int, default=None, help="untimed calls first")
     ap.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
     ap.add_argument("--tag", default="", help="suffix of the output file names")
+    ap.add_argument("--weights", default="committed", choices=WEIGHTS,
+                    help="trained indexers: committed (default) or slack (lm_weights_slack.npz); "
+                         "slack runs' file names end in 'slack'")
     ap.add_argument("--anchor-stride", type=int, default=0,
                     help="matrix: also time DoSA with Config.anchor_stride=S (0: no variant)")
     ap.add_argument("--block-witnesses", type=int, default=0,
@@ -102,12 +122,17 @@ def run(argv=None):
         Ns, cases = parse_sizes(a.N, preset), parse_cases(a.cases, preset)
     except ValueError as e:
         ap.error(str(e))
+    from dosa_jax import datasets
+    try:    # a missing slack weights file: one error naming the command that writes it
+        weights_file = datasets.weights_file(a.weights)
+    except FileNotFoundError as e:
+        ap.error(f"--weights {a.weights}: {e}")
     meta = run_meta(preset)
     meta.update(Ns=list(Ns), cases=[c.name for c in cases], repeats=repeats, warmup=warmup,
-                quick=a.quick, tag=a.tag, anchor_stride=a.anchor_stride,
-                block_witnesses=a.block_witnesses)
+                quick=a.quick, tag=weights_tag(a.tag, a.weights), anchor_stride=a.anchor_stride,
+                block_witnesses=a.block_witnesses, weights=a.weights, weights_file=weights_file)
     log(f"[{a.preset}] N={list(Ns)} cases={[c.name for c in cases]} repeats={repeats} "
-        f"warmup={warmup} out={a.out}")
+        f"warmup={warmup} weights={a.weights} out={a.out}")
     tab = RUNNERS[a.preset](preset, Ns, cases, a.out, meta, repeats, warmup)
     log(tab.markdown())
     return tab

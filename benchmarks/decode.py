@@ -278,6 +278,8 @@ def rows_in_order(p: Preset, Ns, cases):
 
 
 def decode(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
+    from benchmarks.presets import weights_note, weights_of     # --weights
+    weights = weights_of(meta)
     cols = [("case", "case"), ("N", "N"), ("B", "B"), ("layout", "keys"),
             ("decode_ms", "decode ms/step"), ("dense_ms", "dense ms/step"),
             ("score_exact_ms", "score+exact_topk ms/step"), ("xla_ms", "XLA ms/step"),
@@ -297,7 +299,8 @@ def decode(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
                     "dosa_jax.exact_topk; XLA: jnp scoring + lax.top_k",
                     "scan GB/s: (payload + scale) bytes of the visible keys / scan kernel time; "
                     "copy GB/s: (read + written) bytes of a 2 GiB device copy",
-                    "workspace: records + witness table + selection buffer (independent of N)"])
+                    "workspace: records + witness table + selection buffer (independent of N)",
+                    weights_note(meta)])
     if not meta.get("quick") and not dosa_jax.backend.on_gpu():
         raise SystemExit("the decode preset times N = 1M on a GPU; on a CPU run it with --quick")
     t_start = time.perf_counter()
@@ -311,7 +314,7 @@ def decode(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
             from dosa_jax import datasets
             data.clear()
             data[(case, N, T)] = datasets.trained(case.domain, case.layer, length=N,
-                                                  num_queries=T, heads=case.H)
+                                                  num_queries=T, heads=case.H, weights=weights)
         return data[(case, N, T)]
 
     if p.check_steps:
@@ -321,7 +324,7 @@ def decode(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
             a = inputs(cases[0], N0, Tc)
             from dosa_jax import datasets
             b = datasets.trained(OTHER.domain, OTHER.layer, length=N0, num_queries=Tc,
-                                 heads=cases[0].H)
+                                 heads=cases[0].H, weights=weights)
             exactness(tab, a, b, dosa_jax.Config(top_k=p.K, backend="auto"), p.check_steps)
         except Exception as e:  # noqa: BLE001 - keep the timed rows
             tab.error(f"exactness: {e!r}"[:500])

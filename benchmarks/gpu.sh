@@ -3,7 +3,8 @@
 #
 #   bash benchmarks/gpu.sh [STAGE ...]      (default: tests headline matrix)
 #
-# Stages: tests | headline | matrix | matrix1m | matrix1m_bw | matrix1m64 | matrix128k | kernels | select |
+# Stages: tests | headline | matrix | matrix1m | matrix1m_bw | matrix1m64 | matrix128k |
+# matrix1m_slack | matrix1m64_slack | kernels | select |
 # agreement | context_parallel (CP_ARGS adds options, e.g. --queries 4096) |
 # witness_timing (WT_ARGS adds options, e.g. --cases code1,code2 --widths 0,4096 --survivor-costs 1,2 --splits 0,2) |
 # decode | decode32 | decode64 (decode: every row within its time budget; decode32/64: one H each) |
@@ -12,7 +13,10 @@
 # call carries; SLACK_ARGS adds options, e.g. --lambdas 0,0.2,1,4)
 # (matrix1m: the H = 32 cases at N = 1M; matrix1m_bw: the same with the block-witness
 # variant, BLOCK_WITNESSES=W (default 4096); matrix1m64: the H = 64 cases; matrix128k: all 16 at
-# N = 128K; matrix: everything, longer than one 10-minute device call). Each stage
+# N = 128K; matrix1m_slack / matrix1m64_slack: matrix1m / matrix1m64 with --weights slack, the
+# slack-regularised indexers, tags 1m_h32_slack / 1m_h64_slack (the 16 cases in two calls:
+# H = 32 takes about 3 min, H = 64 about 7); matrix: everything, longer than one 10-minute
+# device call). Each stage
 # runs under its own timeout (seconds; TESTS_TIMEOUT, HEADLINE_TIMEOUT, MATRIX_TIMEOUT) so a
 # slow stage leaves the others' results. Files written to $OUT (few, for a remote runner that
 # returns at most 8): gpu_log.txt (every stage's output), tests.txt, and each preset's
@@ -53,6 +57,10 @@ for s in $stages; do
       --cases H32 --tag 1m_h32_bw --block-witnesses "${BLOCK_WITNESSES:-4096}" --out "$OUT" $MATRIX_ARGS ;;
     matrix1m64) run matrix1m64 "${MATRIX_TIMEOUT:-580}" python -m benchmarks matrix --N 1m \
       --cases H64 --tag 1m_h64 --out "$OUT" $MATRIX_ARGS ;;
+    matrix1m_slack) run matrix1m_slack "${MATRIX_TIMEOUT:-580}" python -m benchmarks matrix \
+      --N 1m --cases H32 --weights slack --tag 1m_h32_slack --out "$OUT" $MATRIX_ARGS ;;
+    matrix1m64_slack) run matrix1m64_slack "${MATRIX_TIMEOUT:-580}" python -m benchmarks matrix \
+      --N 1m --cases H64 --weights slack --tag 1m_h64_slack --out "$OUT" $MATRIX_ARGS ;;
     matrix128k) run matrix128k "${MATRIX_TIMEOUT:-580}" python -m benchmarks matrix --N 128k \
       --tag 128k --out "$OUT" $MATRIX_ARGS ;;
     kernels) run kernels "${KERNELS_TIMEOUT:-300}" python -m benchmarks kernels --out "$OUT" ;;
@@ -72,7 +80,9 @@ for s in $stages; do
     slack_eval) run slack_eval "${SLACK_TIMEOUT:-580}" python -m benchmarks.slack_finetune \
       --evaluate "${SLACK_WEIGHTS:-slack_weights}" --budget-seconds "${SLACK_BUDGET:-540}" \
       --out "$OUT" $SLACK_ARGS ;;
-    *) echo "gpu.sh: unknown stage $s (tests headline matrix matrix1m matrix1m_bw matrix1m64 matrix128k kernels select agreement context_parallel witness_timing decode decode32 decode64 slack_train slack_eval)" >&2
+    *) echo "gpu.sh: unknown stage $s (tests headline matrix matrix1m matrix1m_bw matrix1m64" \
+         "matrix128k matrix1m_slack matrix1m64_slack kernels select agreement context_parallel" \
+         "witness_timing decode decode32 decode64 slack_train slack_eval)" >&2
        exit 2 ;;
   esac
 done

@@ -12,6 +12,7 @@ indexer's, never zeros.
 from __future__ import annotations
 
 import functools
+import os
 import time
 from typing import Callable, Dict
 
@@ -26,12 +27,27 @@ from benchmarks.report import Table, geometric_mean, log
 from benchmarks.shapes import Case, Preset
 
 
-def trained_inputs(case: Case, T: int, N: int):
-    """The case's indexer inputs (FP8 keys, bf16 queries, the last T of N positions causal)."""
+def weights_of(meta) -> str:
+    """The run's trained indexers (``--weights``; ``datasets.trained``'s ``weights``)."""
+    return meta.get("weights") or "committed"
+
+
+def weights_note(meta) -> str:
+    """The table note naming the trained indexers the run loaded."""
+    w = weights_of(meta)
+    if w == "committed":
+        return "indexer weights: committed (dosa_jax/data/lm_weights.npz)"
+    name = os.path.basename(meta.get("weights_file") or w)
+    return f"indexer weights: {w} (datasets.trained(..., weights={w!r}): {name})"
+
+
+def trained_inputs(case: Case, T: int, N: int, weights: str = "committed"):
+    """The case's indexer inputs (FP8 keys, bf16 queries, the last T of N positions causal)
+    from the ``weights`` indexers (``datasets.trained``)."""
     from dosa_jax import datasets
     t0 = time.perf_counter()
     inp = datasets.trained(case.domain, case.layer, length=N, num_queries=T, heads=case.H,
-                           key_dtype="float8_e4m3fn", query_dtype="bfloat16")
+                           key_dtype="float8_e4m3fn", query_dtype="bfloat16", weights=weights)
     jax.block_until_ready((inp.q, inp.k, inp.w))
     for name in ("q", "k", "w"):
         if not bool(jnp.any(getattr(inp, name).astype(jnp.float32) != 0)):
@@ -148,12 +164,13 @@ def headline(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
                 cols, out, meta, notes=[
                     f"median of {repeats} timed calls after {warmup} warm-up (XLA baseline: "
                     f"median of {min(repeats, 3)} after 1)",
-                    "XLA: jnp scoring (bf16 operands, f32 accumulation) + lax.top_k"])
+                    "XLA: jnp scoring (bf16 operands, f32 accumulation) + lax.top_k",
+                    weights_note(meta)])
     cfg = config_of(p)
     f_dosa, f_dense = jitted_paths(cfg)
     for case in cases:
         for N in Ns:
-            inp, gen_s = trained_inputs(case, p.T, N)
+            inp, gen_s = trained_inputs(case, p.T, N, weights_of(meta))
             log(f"[headline] {case.name} N={N}: data {gen_s:.1f}s")
             args = args_of(inp)
             chunk = max(1, min(p.T, (1 << 29) // (case.H * N)))
@@ -234,7 +251,8 @@ def matrix(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
                     f"sub: columns and the slack means (Eq. 14, score units, mean over screened "
                     f"keys) on {p.bound_queries} queries strided over the T (the certificate "
                     "evaluated per key by the reference planner)",
-                    "floor K/|Ω|: Σ min(K, |Ω|) / Σ |Ω| over all queries (a bound with U = s)"])
+                    "floor K/|Ω|: Σ min(K, |Ω|) / Σ |Ω| over all queries (a bound with U = s)",
+                    weights_note(meta)])
     cfg = config_of(p)
     f_dosa, f_dense = jitted_paths(cfg)
     # the same DoSA with the call-level dense switch off: what the switch's prediction decides on
@@ -245,7 +263,7 @@ def matrix(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
         for case in sorted(cases, key=lambda c: c.H):     # one compile per (H, N)
             t0 = time.perf_counter()
             try:
-                inp, gen_s = trained_inputs(case, p.T, N)
+                inp, gen_s = trained_inputs(case, p.T, N, weights_of(meta))
                 log(f"[matrix] {case.name} N={N}: data {gen_s:.1f}s")
                 args = args_of(inp)
                 di, ds, st = f_dosa(*args)
@@ -293,12 +311,13 @@ def kernels(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
             ("ms", "ms per call"), ("launches", "launches per call"), ("op", "XLA op")]
     tab = Table("kernels", f"Kernels: T={p.T} causal, K={p.K}, seeds {p.seeds}", cols, out, meta,
                 notes=[f"{repeats} traced calls after {warmup} warm-up; span: first activity "
-                       "start to last end; busy: union of stream activities; idle = span − busy"])
+                       "start to last end; busy: union of stream activities; idle = span − busy",
+                       weights_note(meta)])
     cfg = config_of(p)
     paths = dict(zip(("dosa", "dense"), jitted_paths(cfg)))
     for case in cases:
         for N in Ns:
-            inp, gen_s = trained_inputs(case, p.T, N)
+            inp, gen_s = trained_inputs(case, p.T, N, weights_of(meta))
             log(f"[kernels] {case.name} N={N}: data {gen_s:.1f}s")
             args = args_of(inp)
             for name, f in paths.items():

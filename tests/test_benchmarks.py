@@ -1,6 +1,7 @@
 """``python -m benchmarks``: every preset at its ``--quick`` shapes on the CPU, through the entry
 point's Python function; the tables' rows and columns, the matrix's geometric mean recomputed
-from its rows, the files written after each row, and the option parsing."""
+from its rows, the files written after each row, the option parsing, and ``--weights`` reaching
+``datasets.trained`` and the tables (a tiny weights file as the slack weights)."""
 
 from __future__ import annotations
 
@@ -170,3 +171,86 @@ def test_witness_timing_rows_checked_against_dense(tmp_path):
     assert [(r["splits"], r["eq"]) for r in two] == [(2, True)]
     assert 0 < two[0]["surv_all"] <= 1 and two[0]["seeds_mean"] > 0
     assert all(two[0][f"{s}_ms"] is None for s in witness_timing.STAGES)
+
+
+@pytest.fixture(scope="module")
+def tiny_weights(tmp_path_factory):
+    """A small weights file (tiny random LM, its H=4 indexers) as export_weights writes it."""
+    import jax
+    from dosa_jax.lm import checkpoint, indexer as idx, train
+    from dosa_jax.lm.model import init_lm
+    tiny = train.PRESETS["tiny"]
+    path = str(tmp_path_factory.mktemp("w") / "lm_weights_slack.npz")
+    cfg = tiny.indexers[0]
+    lm = init_lm(jax.random.PRNGKey(0), tiny.lm)
+    checkpoint.export_weights(path, tiny.lm, lm, {4: (cfg, idx.init_indexers(
+        jax.random.PRNGKey(3), tiny.lm, cfg))}, {"kind": "test"})
+    return path
+
+
+def _spy_trained(monkeypatch, fail=False):
+    """Record every datasets.trained call's weights (and the loaded file); fail: raise after."""
+    from dosa_jax import datasets
+    real, calls = datasets.trained, []
+
+    def spy(*args, **kw):
+        calls.append(kw.get("weights", "committed"))
+        inp = real(*args, **kw)
+        calls[-1] = (calls[-1], inp.meta.get("weights_file"))
+        if fail:
+            raise RuntimeError("stop after loading")
+        return inp
+
+    monkeypatch.setattr(datasets, "trained", spy)
+    return calls
+
+
+def test_weights_slack_reaches_trained_and_the_table(monkeypatch, tmp_path, tiny_weights):
+    from dosa_jax import datasets
+    monkeypatch.setattr(datasets, "SLACK_WEIGHTS_PATH", tiny_weights)
+    calls = _spy_trained(monkeypatch)
+    tab = entry.run(["headline", "--quick", "--weights", "slack", "--cases", "code0_H4",
+                     "--N", "256", "--out", str(tmp_path)])
+    assert calls == [("slack", tiny_weights)]
+    assert [r["case"] for r in tab.rows] == ["code0_H4"] and tab.rows[0]["dosa_eq_dense"] is True
+    assert (tab.meta["weights"], tab.meta["weights_file"]) == ("slack", tiny_weights)
+    note = "indexer weights: slack (datasets.trained(..., weights='slack'): lm_weights_slack.npz)"
+    assert note in tab.notes and note in open(tab.md_path).read()
+    assert tab.json_path == str(tmp_path / "headline_slack.json")     # never the committed name
+    saved = json.load(open(tab.json_path))
+    assert saved["meta"]["weights"] == "slack" and note in saved["notes"]
+
+
+def test_weights_reach_every_loading_preset(monkeypatch, capsys, tmp_path, tiny_weights):
+    """matrix and decode (each case's failure recorded, not raised) load the slack weights;
+    a missing slack file is one argument error naming the command that writes it."""
+    from dosa_jax import datasets
+    monkeypatch.setattr(datasets, "SLACK_WEIGHTS_PATH", tiny_weights)
+    calls = _spy_trained(monkeypatch, fail=True)
+    m = entry.run(["matrix", "--quick", "--weights", "slack", "--cases", "code0_H4", "--N", "256",
+                   "--tag", "1m_h32", "--out", str(tmp_path)])
+    assert calls == [("slack", tiny_weights)] and "stop after loading" in m.errors[0]
+    assert m.json_path == str(tmp_path / "matrix_1m_h32_slack.json")
+    calls.clear()
+    d = entry.run(["decode", "--quick", "--weights", "slack", "--cases", "code0_H4", "--N", "256",
+                   "--out", str(tmp_path)])
+    assert calls and set(calls) == {("slack", tiny_weights)} and d.meta["weights"] == "slack"
+    assert any(n.startswith("indexer weights: slack") for n in d.notes)
+    monkeypatch.setattr(datasets, "SLACK_WEIGHTS_PATH", str(tmp_path / "absent.npz"))
+    calls.clear()
+    with pytest.raises(SystemExit):
+        entry.run(["matrix", "--quick", "--weights", "slack", "--out", str(tmp_path)])
+    assert "benchmarks.slack_finetune" in capsys.readouterr().err and calls == []
+    with pytest.raises(SystemExit):
+        entry.run(["matrix", "--quick", "--weights", "other", "--out", str(tmp_path)])
+
+
+def test_committed_weights_by_default(tables):
+    _, t = tables
+    assert all(tab.meta["weights"] == "committed" for tab in t.values())
+    for name in ("headline", "matrix", "kernels"):
+        assert "indexer weights: committed (dosa_jax/data/lm_weights.npz)" in t[name].notes
+        assert t[name].json_path.endswith(f"{name}.json")
+    assert entry.weights_tag("", "committed") == "" and entry.weights_tag("", "slack") == "slack"
+    assert entry.weights_tag("1m_h64", "slack") == "1m_h64_slack"
+    assert entry.weights_tag("1m_h64_slack", "slack") == "1m_h64_slack"
