@@ -455,7 +455,7 @@ def test_decode_benchmark_quick(tmp_path):
         (B, lay) for B in p.batches for lay in ("contiguous", "paged"))
     for r in timed:
         assert r["decode_eq_dense"] is True
-        assert min(r["decode_ms"], r["dense_ms"], r["xla_ms"], r["scan_gbs"]) > 0
+        assert min(r["decode_ms"], r["dense_ms"], r["xla_ms"], r["scan_gbs"], r["screen_gbs"]) > 0
         assert r["dense_over_decode"] == pytest.approx(r["dense_ms"] / r["decode_ms"])
         assert 0 < r["candidates"] and r["workspace_mib"] > 0
         assert r["tau_ratio"] > 0.5 and r["overflow_share"] < 0.5   # the witnesses work
