@@ -187,3 +187,17 @@ def test_screens_only_one_query_of_one_piece_keys():
                        jnp.ones((1, 2, H)), jnp.full((1, 8), -1, jnp.int32), None,
                        jnp.array([64]), None, dosa_jax.Config(top_k=4), interpret=True,
                        screen=True)
+
+
+def test_decode_parts_benchmark_runs_on_cpu(tmp_path):
+    """``python -m benchmarks.decode_parts`` at tiny shapes: every part timed, files written."""
+    import json
+    from benchmarks import decode_parts
+    assert decode_parts.main(["--N", "2048", "--B", "2", "--K", "32", "--repeats", "1",
+                              "--out", str(tmp_path)]) == 0
+    saved = json.loads((tmp_path / "decode_parts.json").read_text())
+    parts = [r["part"] for r in saved["rows"]]
+    assert parts[:4] == ["step", "witness", "screen", "screened"]
+    assert sum(p.startswith("screen BK=") for p in parts) == 6
+    assert all(r["ms"] > 0 for r in saved["rows"])
+    assert (tmp_path / "decode_parts.md").exists()
