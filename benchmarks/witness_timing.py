@@ -88,14 +88,14 @@ def _dense(kernels: bool = False):
 
 
 def measure(case_name: str, widths, *, T: int, N: int, repeats: int, kappas=(None,),
-            splits=(0,), stages: bool = True):
+            splits=(0,), stages: bool = True, weights: str = "committed"):
     from benchmarks.devtime import timeit
     from benchmarks.presets import args_of, trained_inputs
     from benchmarks.shapes import Case
     from pallas_kernels import pipeline as pp
 
     domain, layer = case_name[:-1], int(case_name[-1])
-    inp, _ = trained_inputs(Case(domain, layer, 32), T, N)
+    inp, _ = trained_inputs(Case(domain, layer, 32), T, N, weights)
     a = args_of(inp)
     dense = _dense()
     ei, es = dense(*a)
@@ -165,6 +165,8 @@ def main(argv=None):
     ap.add_argument("--length", type=int, default=1 << 20, help="keys N")
     ap.add_argument("--queries", type=int, default=16384, help="causal queries T")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--weights", choices=("committed", "slack"), default="committed",
+                    help="the indexers (datasets.trained weights=): committed or slack")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = ap.parse_args(argv)
     import jax
@@ -177,11 +179,12 @@ def main(argv=None):
     header = (f"T={args.queries} causal, N={args.length}, K=2048, FP8 keys, H=32; "
               f"{jax.devices()[0].device_kind}; jax {jax.__version__}; commit "
               f"{os.environ.get('DOSA_COMMIT', 'unknown')}; median of {args.repeats} timed "
-              "calls after 1 warm-up")
+              f"calls after 1 warm-up; indexer weights: {args.weights}")
     rows = []
     for c in args.cases.split(","):
         for r in measure(c, widths, T=args.queries, N=args.length, repeats=args.repeats,
-                         kappas=kappas, splits=splits, stages=not args.no_stages):
+                         kappas=kappas, splits=splits, stages=not args.no_stages,
+                         weights=args.weights):
             rows.append(r)
             print(json.dumps(r), flush=True)
             with open(os.path.join(args.out, "witness_timing.json"), "w") as f:

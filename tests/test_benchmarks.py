@@ -245,6 +245,17 @@ def test_weights_reach_every_loading_preset(monkeypatch, capsys, tmp_path, tiny_
         entry.run(["matrix", "--quick", "--weights", "other", "--out", str(tmp_path)])
 
 
+def test_witness_timing_loads_the_chosen_weights(monkeypatch, tmp_path, tiny_weights):
+    from benchmarks import witness_timing
+    from dosa_jax import datasets
+    monkeypatch.setattr(datasets, "SLACK_WEIGHTS_PATH", tiny_weights)
+    calls = _spy_trained(monkeypatch, fail=True)
+    with pytest.raises(ValueError, match="no H=32 indexer"):    # the tiny file has H = 4 only
+        witness_timing.main(["--cases", "code2", "--weights", "slack", "--length", "256",
+                             "--queries", "4", "--out", str(tmp_path)])
+    assert calls == ["slack"]
+
+
 def test_committed_weights_by_default(tables):
     _, t = tables
     assert all(tab.meta["weights"] == "committed" for tab in t.values())
