@@ -151,3 +151,19 @@ def assert_matches_f64(idx, s64, band, lo, hi, k):
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+@pytest.fixture(scope="module")
+def tiny_weights(tmp_path_factory):
+    """A small weights file (tiny random LM, its H=4 indexers) as export_weights writes it,
+    named as the slack weights are."""
+    import jax
+    from dosa_jax.lm import checkpoint, indexer as idx, train
+    from dosa_jax.lm.model import init_lm
+    tiny = train.PRESETS["tiny"]
+    path = str(tmp_path_factory.mktemp("w") / "lm_weights_slack.npz")
+    cfg = tiny.indexers[0]
+    lm = init_lm(jax.random.PRNGKey(0), tiny.lm)
+    checkpoint.export_weights(path, tiny.lm, lm, {4: (cfg, idx.init_indexers(
+        jax.random.PRNGKey(3), tiny.lm, cfg))}, {"kind": "test"})
+    return path

@@ -173,21 +173,6 @@ def test_witness_timing_rows_checked_against_dense(tmp_path):
     assert all(two[0][f"{s}_ms"] is None for s in witness_timing.STAGES)
 
 
-@pytest.fixture(scope="module")
-def tiny_weights(tmp_path_factory):
-    """A small weights file (tiny random LM, its H=4 indexers) as export_weights writes it."""
-    import jax
-    from dosa_jax.lm import checkpoint, indexer as idx, train
-    from dosa_jax.lm.model import init_lm
-    tiny = train.PRESETS["tiny"]
-    path = str(tmp_path_factory.mktemp("w") / "lm_weights_slack.npz")
-    cfg = tiny.indexers[0]
-    lm = init_lm(jax.random.PRNGKey(0), tiny.lm)
-    checkpoint.export_weights(path, tiny.lm, lm, {4: (cfg, idx.init_indexers(
-        jax.random.PRNGKey(3), tiny.lm, cfg))}, {"kind": "test"})
-    return path
-
-
 def _spy_trained(monkeypatch, fail=False):
     """Record every datasets.trained call's weights (and the loaded file); fail: raise after."""
     from dosa_jax import datasets

@@ -4,26 +4,11 @@ from __future__ import annotations
 
 import os
 
-import jax
 import numpy as np
 import pytest
 
 from dosa_jax import datasets
-from dosa_jax.lm import checkpoint, dump, indexer as idx, train
-from dosa_jax.lm.model import init_lm
-
-TINY = train.PRESETS["tiny"]
-
-
-@pytest.fixture(scope="module")
-def tiny_weights(tmp_path_factory):
-    """A small weights file (tiny random LM, its H=4 indexers) as export_weights writes it."""
-    path = str(tmp_path_factory.mktemp("w") / "lm_weights_slack.npz")
-    cfg = TINY.indexers[0]
-    lm = init_lm(jax.random.PRNGKey(0), TINY.lm)
-    checkpoint.export_weights(path, TINY.lm, lm, {4: (cfg, idx.init_indexers(
-        jax.random.PRNGKey(3), TINY.lm, cfg))}, {"kind": "test"})
-    return path
+from dosa_jax.lm import dump
 
 
 def test_missing_slack_weights_name_the_command(monkeypatch, tmp_path):
