@@ -57,8 +57,8 @@ from dosa_jax.selection import INT32_MIN, key_to_score
 from dosa_jax.tiling import round_up_to
 from pallas_kernels import numerics
 from pallas_kernels import records as rec
-from pallas_kernels.common import (ID_BITS, THETA_NONE, compiler_params, interpret_default,
-                                   mma_pieces, pad_axis, split_key_tiles)
+from pallas_kernels.common import (BF16, FP8, ID_BITS, THETA_NONE, compiler_params,
+                                   interpret_default, mma_pieces, pad_axis, split_key_tiles)
 from pallas_kernels.operands import capacity_for, prepare_operands
 from pallas_kernels.scoring import load_query_tile, score_reference, score_tile
 from pallas_kernels.seeds import seed_scores
@@ -178,14 +178,13 @@ def screen_upper(sc, kp, scale, coef, norm_bound=None):
 
 
 def payload_norm_bound(k_dtype, D: int):
-    """A norm bound of every finite payload of an FP8 dtype: max finite · √D, rounded up
-    (None for other dtypes: the scan bounds each key's norm). FP8 keys quantised per key
-    (max |payload| near the dtype's max) have norms within √D of it, so the constant costs
-    the screen little, and saves the scan a reduction over D per key."""
-    dt = jnp.dtype(k_dtype)
-    if dt.itemsize != 1:
+    """A norm bound of every finite FP8 payload: max finite · √D, rounded up (None for bf16
+    keys: the scan bounds each key's norm). FP8 keys quantised per key (max |payload| near
+    the dtype's max) have norms within √D of it, so the constant costs the screen little,
+    and saves the scan a reduction over D per key."""
+    if jnp.dtype(k_dtype) != FP8:
         return None
-    return float(np.nextafter(np.float32(float(jnp.finfo(dt).max) * np.sqrt(D) * (1 + 2e-7)),
+    return float(np.nextafter(np.float32(float(jnp.finfo(FP8).max) * np.sqrt(D) * (1 + 2e-7)),
                               np.float32(np.inf)))
 
 
@@ -479,8 +478,7 @@ def key_rows(prep: Prepared, ids):
 def screens(q, k) -> bool:
     """Whether a step takes the screen: one query per sequence and keys of one MMA piece
     (FP8 or bf16), whose payload norms the scan bounds in registers."""
-    return q.shape[1] == 1 and len(mma_pieces(jnp.zeros((1, 1), k.dtype), jnp.bfloat16,
-                                              widen_fp8=False)) == 1
+    return q.shape[1] == 1 and jnp.dtype(k.dtype) in (BF16, FP8)   # one piece: mma_pieces
 
 
 def exact_step(prep, theta, wk, wids, lengths, B: int, M: int, K: int, cap: int, carry: int,
