@@ -17,6 +17,12 @@ of ``--repeats`` calls after warm-up):
   (``gather_records``, its overflow fallback included when a query overflows);
 * ``update``: the next witnesses from the buffer and the witnesses (``distinct_pool`` +
   ``best_witnesses``);
+* ``screened select``: the screened step's Top-K and next witnesses from its rescored
+  candidates (``select_and_witness``: one ``top_k``, a binary search); ``screened select,
+  sorted pool``: the same by the candidates' ``top_k`` and ``distinct_pool`` +
+  ``best_witnesses`` (a sort of the pool);
+* ``screen splits=S``: the screen with S key splits per sequence (the default:
+  ``default_splits``);
 * ``overflow update``: the same from all records (``record_witnesses``, the overflow path);
 * ``records select``: the exact selection over all records (the overflow fallback alone);
 * ``top_k rows``: ``lax.top_k`` of the witness order keys over all 4 slots per sequence and
@@ -57,9 +63,13 @@ class Shape(NamedTuple):
 def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, out: str,
         capacity=None):
     from dosa_jax import datasets
-    from dosa_jax.decode import best_witnesses, distinct_pool, witness_budget
+    from dosa_jax.decode import (best_witnesses, distinct_pool, select_and_witness,
+                                 witness_budget)
     from pallas_kernels import decode as kd
     from pallas_kernels import records as rec
+    from dosa_jax.selection import INT32_MIN
+    from pallas_kernels.common import interpret_default, pad_axis
+    from pallas_kernels.decode import scan_tile
 
     inp = datasets.trained(domain, layer, length=N, num_queries=8 * B + 4, heads=H)
     qs, ws, ls = batch_streams(inp, B, 3)
@@ -99,6 +109,19 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
     f_recwit = jax.jit(lambda rk, ri, cnt, wk, wids: kd.record_witnesses(
         rk[real], ri[real], cnt[real], K, carry, wk[real], wids[real]))
     f_selrec = jax.jit(lambda rk, ri, cnt: rec.select_from_records(rk, ri, cnt, K))
+    # the screened step's selection: one top_k over the candidates and the witnesses outside
+    # them (a binary search), against the candidates' top_k and a sort of the pool
+    _, cri, ccnt, _ = f_screen(q, w, k, s, theta, n)
+    f_cand = jax.jit(lambda q, w, k, s, cri, ccnt: (lambda p, g: (kd.witness_keys(
+        p.ops, p.kp, p.scale, kd.key_rows(p, g[0]), g[1], 1, p.tiles,
+        interpret_default())[::kd.SLOTS],
+        g[0]))(prep(q, w, k, s), kd.gather_candidates(cri, ccnt, cap)))
+    ck, cids = f_cand(q, w, k, s, cri, ccnt)
+    cids = pad_axis(cids, 1, ck.shape[1], -1)
+    f_select = jax.jit(lambda ck, ci, wk, wids: select_and_witness(
+        ck, ci, wk[real], wids[real], K, carry))
+    f_select_sorted = jax.jit(lambda ck, ci, wk, wids: (lax.top_k(ck, K), best_witnesses(
+        *distinct_pool(ck, ci, wk[real], wids[real]), carry)))
     f_top_all = jax.jit(lambda wk: lax.top_k(wk, K)[0][:, K - 1])
     f_top_real = jax.jit(lambda wk: lax.top_k(wk[real], K)[0][:, K - 1])
 
@@ -113,6 +136,14 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
             recorded = float(jnp.mean(jnp.sum(f(q, w, k, s, theta, n)[2], axis=1)))
             variants.append((f"screen BK={tile} norm={'each key' if norm is None else 'dtype'}"
                              f" ({recorded:.0f} recorded/query)", f, (q, w, k, s, theta, n)))
+    a, b = f_select(ck, cids, wk, wids), f_select_sorted(ck, cids, wk, wids)
+    same_select = all(bool(jnp.array_equal(x, y)) for x, y in zip(
+        (a[0], a[1], *a[2]), (jnp.where(b[0][0] == INT32_MIN, -1, jnp.take_along_axis(
+            cids, b[0][1], axis=1)), b[0][0], *b[1])))
+    for S in (x for x in (16, 32, 64, 128, 256, 512) if x <= N // scan_tile(N)):
+        f = jax.jit(functools.partial(lambda q, w, k, s, theta, n, S: kd.screen_records(
+            prep(q, w, k, s), q, w, theta[::kd.SLOTS], n, K, splits=S), S=S))
+        variants.append((f"screen splits={S}", f, (q, w, k, s, theta, n)))
     parts = [("step", step, (qs[3], ws[3], ls[3], k, s, st)),
              ("witness", f_wit, (q, w, k, s, ids, n)),
              ("screen", f_screen, (q, w, k, s, theta, n)),
@@ -120,6 +151,8 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
              ("scan", f_scan, (q, w, k, s, theta, n)),
              ("gather", f_gather, (rk, ri, cnt)),
              ("update", f_update, (bk, bi, wk, wids)),
+             ("screened select", f_select, (ck, cids, wk, wids)),
+             ("screened select, sorted pool", f_select_sorted, (ck, cids, wk, wids)),
              ("overflow update", f_recwit, (rk, ri, cnt, wk, wids)),
              ("records select", f_selrec, (rk, ri, cnt)),
              ("top_k rows all slots", f_top_all, (wk,)),
@@ -136,7 +169,12 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
                     f"steps the screen cannot certify: {int(jnp.any(need_exact))}; "
                     f"queries over the buffer: {int(jnp.sum(over[real]))} of {B}; splits "
                     f"compacted mid-scan: {int(jnp.sum(app > rk.shape[2] - 64))}; "
-                    f"splits {rk.shape[1]}, records per split {rk.shape[2]}"])
+                    f"splits {rk.shape[1]}, records per split {rk.shape[2]}; the screen's "
+                    f"default splits {kd.default_splits(B, N // scan_tile(N))}",
+                    "screened select == screened select, sorted pool (indices, scores, next "
+                    f"witnesses): {'bitwise' if same_select else 'MISMATCH'}"])
+    if not same_select:
+        raise AssertionError("select_and_witness differs from the sorted pool's selection")
     t_step = None
     for name, f, a in parts:
         t = timeit(f, *a, warmup=2, repeats=repeats)

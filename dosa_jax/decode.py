@@ -62,7 +62,8 @@ WITNESS_FACTOR = 4
 __all__ = ["DecodeState", "DecodeStats", "MAX_QUERIES", "WITNESS_FACTOR", "best_witnesses",
            "candidate_capacity", "decode_config", "decode_init", "decode_topk_reference",
            "differentiable_scores", "distinct_pool", "fit_witnesses", "key_table", "looked_at",
-           "select_with_witnesses", "selected_rows", "witness_budget", "witness_threshold"]
+           "select_and_witness", "select_with_witnesses", "selected_rows", "witness_budget",
+           "witness_threshold"]
 
 
 class DecodeState(NamedTuple):
@@ -302,6 +303,43 @@ def distinct_pool(buffer_keys, buffer_ids, witness_keys, witness_ids):
     first = distinct_visible(ids, jnp.zeros((M,), jnp.int32),
                              jnp.full((M,), jnp.iinfo(jnp.int32).max, jnp.int32))
     return jnp.where(first, keys, INT32_MIN), ids
+
+
+def _members(sorted_ids: Array, ids: Array) -> Array:
+    """Whether each of ``ids`` [n] occurs in ``sorted_ids`` [m] (ascending; pads
+    ``INT32_MAX``): a binary search per id, unrolled (one fused pass, no sort)."""
+    pos = jnp.searchsorted(sorted_ids, ids, side="left", method="scan_unrolled")
+    hit = jnp.take(sorted_ids, jnp.minimum(pos, sorted_ids.shape[0] - 1))
+    return (pos < sorted_ids.shape[0]) & (hit == ids)
+
+
+def select_and_witness(cand_keys: Array, cand_ids: Array, witness_keys: Array,
+                       witness_ids: Array, K: int, n: int):
+    """The Top-K of the candidates and the next ``n`` witnesses in one selection.
+
+    ``cand_keys`` / ``cand_ids`` [M, C]: every key whose certified upper bound clears τ_w
+    (the screen's candidates), in ascending id order (−1 / ``INT32_MIN`` pads after them),
+    with their canonical order keys; ``witness_keys`` / ``witness_ids`` [M, W]: the step's
+    witnesses (``INT32_MIN`` for repeated, invisible or NaN ones). The pool is the candidates
+    then the witnesses that are not candidates (:func:`distinct_pool`'s pool, each id once,
+    found by a binary search in the sorted candidate ids instead of a sort of the pool).
+
+    Every witness at or above τ_w is a candidate (its bound ≥ its score ≥ τ_w), so a
+    witness outside the candidates scores strictly below τ_w, below the K-th candidate
+    whenever τ_w was taken over ≥ K witnesses: the pool's Top-K (stable, so id order breaks
+    ties) is then the candidates' Top-K, and its best ``n`` are :func:`best_witnesses` of
+    the pool. Returns (indices [M, K], order keys [M, K], next witness ids and keys
+    [M, n]).
+    """
+    M, C = cand_ids.shape
+    imax = jnp.iinfo(jnp.int32).max
+    sorted_ids = jnp.where(cand_ids >= 0, cand_ids, imax)
+    member = jax.vmap(_members)(sorted_ids, witness_ids.astype(jnp.int32))
+    wk = jnp.where(member | (witness_ids < 0), INT32_MIN, witness_keys)
+    keys = jnp.concatenate([cand_keys, wk], axis=1)
+    ids = jnp.concatenate([cand_ids, witness_ids.astype(jnp.int32)], axis=1)
+    out, top = best_witnesses(keys, ids, max(K, n))
+    return out[:, :K], top[:, :K], (out[:, :n], top[:, :n])
 
 
 def select_compacted(keys: Array, theta: Array, K: int, capacity: int):

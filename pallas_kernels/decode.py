@@ -18,7 +18,9 @@ sequence in full and keeps only keys at or above the witness threshold τ_w:
    α_i·n_i·E_s of the real score, :func:`screen_margin_coefficient`; n_i bounds the payload
    norm, :func:`payload_norm_bound`). The buffers are never compacted (that would rank
    bounds). The candidates are rescored by the seed kernel — the canonical tile — and
-   selected with ``lax.top_k`` (stable: id order breaks ties). A step whose screen cannot
+   one ``lax.top_k`` (stable: id order breaks ties) over them and the witnesses outside them
+   gives both the Top-K and the next witnesses (:func:`dosa_jax.decode.select_and_witness`:
+   a binary search in the sorted candidate ids, no sort of the pool). A step whose screen cannot
    certify its candidates (no τ_w, a full buffer, more candidates than ``capacity``) runs 3.
    instead (``lax.cond``): the answer is the canonical one either way.
 3. **canonical scan** — the same kernel with the dense kernel's 4 query slots (M ≤ 4 real
@@ -49,8 +51,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from dosa_jax.decode import (WITNESS_FACTOR, DecodeStats, best_witnesses, candidate_capacity,
-                             distinct_pool, select_with_witnesses, sequence_keys,
-                             witness_budget)
+                             distinct_pool, select_and_witness, select_with_witnesses,
+                             sequence_keys, witness_budget)
 from dosa_jax import numerics as nm
 from dosa_jax.seeds import distinct_visible
 from dosa_jax.selection import INT32_MIN, key_to_score
@@ -513,9 +515,7 @@ def screened_step(prep, q, w, theta, wk, wids, lengths, B: int, K: int, cap: int
     ck = witness_keys(prep.ops, prep.kp, prep.scale, key_rows(prep, ids), valid, 1, prep.tiles,
                       interpret)[::SLOTS]
     ids = pad_axis(ids, 1, ck.shape[1], -1)
-    top_key, top_pos = lax.top_k(ck, K)
-    idx = jnp.where(top_key == INT32_MIN, -1, jnp.take_along_axis(ids, top_pos, axis=1))
-    nxt = best_witnesses(*distinct_pool(ck, ids, wk[::SLOTS], wids[::SLOTS]), carry)
+    idx, top_key, nxt = select_and_witness(ck, ids, wk[::SLOTS], wids[::SLOTS], K, carry)
     cand = jnp.sum(ck >= theta1[:, None], axis=1, dtype=jnp.int32)   # canonical ≥ τ_w
     return (idx, key_to_score(top_key), cand, jnp.zeros((B,), jnp.int32), nxt), need_exact
 

@@ -199,5 +199,50 @@ def test_decode_parts_benchmark_runs_on_cpu(tmp_path):
     parts = [r["part"] for r in saved["rows"]]
     assert parts[:4] == ["step", "witness", "screen", "screened"]
     assert sum(p.startswith("screen BK=") for p in parts) == 6
+    assert {"screened select", "screened select, sorted pool", "screen splits=16"} <= set(parts)
+    assert any("sorted pool" in n and "bitwise" in n for n in saved["notes"])
     assert all(r["ms"] > 0 for r in saved["rows"])
     assert (tmp_path / "decode_parts.md").exists()
+
+
+@pytest.mark.parametrize("K,n", [(16, 40), (16, 8), (24, 24)])
+def test_one_selection_gives_the_top_k_and_the_next_witnesses_of_the_sorted_pool(K, n):
+    """``select_and_witness`` (a binary search for the witnesses among the candidates) equals
+    the candidates' Top-K and ``best_witnesses`` of ``distinct_pool`` (a sort of the pool),
+    bitwise, when every witness at or above τ_w is a candidate: ties, repeated and invalid
+    witnesses, empty candidate slots and witness keys at the extremes included."""
+    from dosa_jax.decode import best_witnesses, distinct_pool, select_and_witness
+    imin = np.iinfo(np.int32).min
+    rng = np.random.default_rng(7)
+    M, N, C, W = 6, 400, 64, 48
+    ck = np.full((M, C), imin, np.int32)
+    ci = np.full((M, C), -1, np.int32)
+    wk = np.full((M, W), imin, np.int32)
+    wi = np.full((M, W), -1, np.int32)
+    for m in range(M):
+        c = C - 5 * m                                   # row m: 5·m empty candidate slots
+        ids = np.sort(rng.choice(N, c, replace=False)).astype(np.int32)
+        keys = rng.integers(-40, 40, c).astype(np.int32) * 1000    # many equal keys
+        keys[:3] = np.iinfo(np.int32).max                          # the largest order key
+        ck[m, :c], ci[m, :c] = keys, ids
+        theta = np.sort(keys)[::-1][K - 1]
+        above = np.flatnonzero(keys >= theta)
+        inside = rng.choice(c, W // 2, replace=False)
+        inside = np.union1d(inside, above[:W // 2])[:W // 2]      # witnesses among candidates
+        outside = np.setdiff1d(np.arange(N), ids)[:W - len(inside)]
+        wid = np.concatenate([ids[inside], outside]).astype(np.int32)
+        wkey = np.concatenate([keys[inside], rng.integers(imin + 1, theta, len(outside))])
+        perm = rng.permutation(W)
+        wi[m], wk[m] = wid[perm], wkey[perm].astype(np.int32)
+        wi[m, :2], wk[m, :2] = -1, imin                             # invalid witnesses
+        wk[m, 2] = imin                                             # a repeated one
+    args = [jnp.asarray(x) for x in (ck, ci, wk, wi)]
+    idx, top, (nid, nkey) = jax.jit(select_and_witness, static_argnums=(4, 5))(*args, K, n)
+    tk, tp = jax.lax.top_k(args[0], K)
+    ref_idx = jnp.where(tk == imin, -1, jnp.take_along_axis(args[1], tp, axis=1))
+    ref_id, ref_key = best_witnesses(*distinct_pool(*args), n)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(ref_idx))
+    np.testing.assert_array_equal(np.asarray(top), np.asarray(tk))
+    np.testing.assert_array_equal(np.asarray(nid), np.asarray(ref_id))
+    np.testing.assert_array_equal(np.asarray(nkey), np.asarray(ref_key))
+    assert np.all(np.asarray(nid)[:, 0] >= 0)
