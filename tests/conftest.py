@@ -41,7 +41,37 @@ def _use_compilation_cache(path):
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def _compile_with_the_collector_paused():
+    """Pause Python's garbage collector — and with it jax's callback into XLA's own
+    (``collect_garbage``, run from ``gc.callbacks`` by whichever thread allocates) — while
+    XLA compiles, so that no other thread of the process (pytest-xdist's receiver) runs it
+    during a compile: under ``-n 2`` a worker crashed now and then with a segmentation
+    fault inside the CPU compiler (jaxlib 0.10.2). The collector runs again right after."""
+    import functools
+    import gc
+
+    from jax._src import compiler
+
+    compile_and_load = getattr(compiler, "backend_compile_and_load", None)
+    if compile_and_load is None or getattr(compile_and_load, "_dosa_gc_paused", False):
+        return
+
+    @functools.wraps(compile_and_load)
+    def paused(*args, **kwargs):
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return compile_and_load(*args, **kwargs)
+        finally:
+            if enabled:
+                gc.enable()
+
+    paused._dosa_gc_paused = True
+    compiler.backend_compile_and_load = paused
+
+
 def pytest_configure(config):
+    _compile_with_the_collector_paused()
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None:          # a pytest-xdist worker: the controller's directory
         path = workerinput.get("dosa_compilation_cache")
