@@ -331,7 +331,6 @@ def select_and_witness(cand_keys: Array, cand_ids: Array, witness_keys: Array,
     the pool. Returns (indices [M, K], order keys [M, K], next witness ids and keys
     [M, n]).
     """
-    M, C = cand_ids.shape
     imax = jnp.iinfo(jnp.int32).max
     sorted_ids = jnp.where(cand_ids >= 0, cand_ids, imax)
     member = jax.vmap(_members)(sorted_ids, witness_ids.astype(jnp.int32))
