@@ -69,7 +69,6 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
     from pallas_kernels import records as rec
     from dosa_jax.selection import INT32_MIN
     from pallas_kernels.common import interpret_default, pad_axis
-    from pallas_kernels.decode import scan_tile
 
     inp = datasets.trained(domain, layer, length=N, num_queries=8 * B + 4, heads=H)
     qs, ws, ls = batch_streams(inp, B, 3)
@@ -111,17 +110,22 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
     f_selrec = jax.jit(lambda rk, ri, cnt: rec.select_from_records(rk, ri, cnt, K))
     # the screened step's selection: one top_k over the candidates and the witnesses outside
     # them (a binary search), against the candidates' top_k and a sort of the pool
-    _, cri, ccnt, _ = f_screen(q, w, k, s, theta, n)
-    f_cand = jax.jit(lambda q, w, k, s, cri, ccnt: (lambda p, g: (kd.witness_keys(
-        p.ops, p.kp, p.scale, kd.key_rows(p, g[0]), g[1], 1, p.tiles,
-        interpret_default())[::kd.SLOTS],
-        g[0]))(prep(q, w, k, s), kd.gather_candidates(cri, ccnt, cap)))
-    ck, cids = f_cand(q, w, k, s, cri, ccnt)
-    cids = pad_axis(cids, 1, ck.shape[1], -1)
+    def candidates(q, w, k, s, cri, ccnt):          # rescored as screened_step rescores them
+        p = prep(q, w, k, s)
+        cid, valid, _ = kd.gather_candidates(cri, ccnt, cap)
+        ck = kd.witness_keys(p.ops, p.kp, p.scale, kd.key_rows(p, cid), valid, 1, p.tiles,
+                             interpret_default())[::kd.SLOTS]
+        return ck, pad_axis(cid, 1, ck.shape[1], -1)
+
+    def select_sorted(ck, ci, wk, wids):
+        top, pos = lax.top_k(ck, K)
+        idx = jnp.where(top == INT32_MIN, -1, jnp.take_along_axis(ci, pos, axis=1))
+        return idx, top, best_witnesses(*distinct_pool(ck, ci, wk[real], wids[real]), carry)
+
+    ck, cids = jax.jit(candidates)(q, w, k, s, *f_screen(q, w, k, s, theta, n)[1:3])
     f_select = jax.jit(lambda ck, ci, wk, wids: select_and_witness(
         ck, ci, wk[real], wids[real], K, carry))
-    f_select_sorted = jax.jit(lambda ck, ci, wk, wids: (lax.top_k(ck, K), best_witnesses(
-        *distinct_pool(ck, ci, wk[real], wids[real]), carry)))
+    f_select_sorted = jax.jit(select_sorted)
     f_top_all = jax.jit(lambda wk: lax.top_k(wk, K)[0][:, K - 1])
     f_top_real = jax.jit(lambda wk: lax.top_k(wk[real], K)[0][:, K - 1])
 
@@ -136,11 +140,11 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
             recorded = float(jnp.mean(jnp.sum(f(q, w, k, s, theta, n)[2], axis=1)))
             variants.append((f"screen BK={tile} norm={'each key' if norm is None else 'dtype'}"
                              f" ({recorded:.0f} recorded/query)", f, (q, w, k, s, theta, n)))
-    a, b = f_select(ck, cids, wk, wids), f_select_sorted(ck, cids, wk, wids)
+    screen_tile = kd.scan_tile(N, kd.SCREEN_KEY_TILE)
     same_select = all(bool(jnp.array_equal(x, y)) for x, y in zip(
-        (a[0], a[1], *a[2]), (jnp.where(b[0][0] == INT32_MIN, -1, jnp.take_along_axis(
-            cids, b[0][1], axis=1)), b[0][0], *b[1])))
-    for S in (x for x in (16, 32, 64, 128, 256, 512) if x <= N // scan_tile(N)):
+        jax.tree.leaves(f_select(ck, cids, wk, wids)),
+        jax.tree.leaves(f_select_sorted(ck, cids, wk, wids))))
+    for S in (x for x in (16, 32, 64, 128, 256, 512) if x <= N // screen_tile):
         f = jax.jit(functools.partial(lambda q, w, k, s, theta, n, S: kd.screen_records(
             prep(q, w, k, s), q, w, theta[::kd.SLOTS], n, K, splits=S), S=S))
         variants.append((f"screen splits={S}", f, (q, w, k, s, theta, n)))
@@ -170,7 +174,7 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
                     f"queries over the buffer: {int(jnp.sum(over[real]))} of {B}; splits "
                     f"compacted mid-scan: {int(jnp.sum(app > rk.shape[2] - 64))}; "
                     f"splits {rk.shape[1]}, records per split {rk.shape[2]}; the screen's "
-                    f"default splits {kd.default_splits(B, N // scan_tile(N))}",
+                    f"default splits {kd.default_splits(B, N // screen_tile)}",
                     "screened select == screened select, sorted pool (indices, scores, next "
                     f"witnesses): {'bitwise' if same_select else 'MISMATCH'}"])
     if not same_select:
