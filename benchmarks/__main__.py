@@ -104,6 +104,8 @@ def run(argv=None):
                     help="matrix: also time DoSA with Config.anchor_stride=S (0: no variant)")
     ap.add_argument("--block-witnesses", type=int, default=0,
                     help="matrix: also time DoSA with Config.block_witnesses=W (0: no variant)")
+    ap.add_argument("--survivor-cost", type=float, default=0.0,
+                    help="matrix: also time DoSA with Config.survivor_cost=κ (0: no variant)")
     a = ap.parse_args(argv)
     preset = (QUICK if a.quick else PRESETS)[a.preset]
     if a.anchor_stride < 0:
@@ -113,7 +115,12 @@ def run(argv=None):
         Config(block_witnesses=a.block_witnesses)
     except ValueError as e:
         ap.error(f"--block-witnesses: {e}")
-    preset = preset._replace(anchor_stride=a.anchor_stride, block_witnesses=a.block_witnesses)
+    try:
+        Config(survivor_cost=a.survivor_cost or None)
+    except ValueError as e:
+        ap.error(f"--survivor-cost: {e}")
+    preset = preset._replace(anchor_stride=a.anchor_stride, block_witnesses=a.block_witnesses,
+                             survivor_cost=a.survivor_cost)
     repeats = preset.repeats if a.repeats is None else a.repeats
     warmup = preset.warmup if a.warmup is None else a.warmup
     if repeats < 1 or warmup < 0:
@@ -130,7 +137,8 @@ def run(argv=None):
     meta = run_meta(preset)
     meta.update(Ns=list(Ns), cases=[c.name for c in cases], repeats=repeats, warmup=warmup,
                 quick=a.quick, tag=weights_tag(a.tag, a.weights), anchor_stride=a.anchor_stride,
-                block_witnesses=a.block_witnesses, weights=a.weights, weights_file=weights_file)
+                block_witnesses=a.block_witnesses, survivor_cost=a.survivor_cost,
+                weights=a.weights, weights_file=weights_file)
     log(f"[{a.preset}] N={list(Ns)} cases={[c.name for c in cases]} repeats={repeats} "
         f"warmup={warmup} weights={a.weights} out={a.out}")
     tab = RUNNERS[a.preset](preset, Ns, cases, a.out, meta, repeats, warmup)

@@ -213,6 +213,12 @@ def matrix_summary(rows):
     for N in sorted({r["N"] for r in rows}, reverse=True):
         sel = [r["dense_over_dosa"] for r in rows if r["N"] == N]
         out[f"geometric mean dense/DoSA, N={N} ({len(sel)} cases)"] = geometric_mean(sel)
+        for name in ("screened", "anchored", "blockwit", "kappa"):   # the variants timed
+            sel = [r[f"dense_over_{name}"] for r in rows
+                   if r["N"] == N and r.get(f"dense_over_{name}") is not None]
+            if sel:
+                out[f"geometric mean dense/{name}, N={N} ({len(sel)} cases)"] = \
+                    geometric_mean(sel)
     out["all DoSA == dense bitwise"] = all(r["dosa_eq_dense"] for r in rows) if rows else None
     return out
 
@@ -234,11 +240,13 @@ def matrix(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
             ("survival_sub_tau_star", "sub: survival (τ*)"), ("floor_exact", "floor K/|Ω|"),
             ("slack_pos", "δ_P"), ("slack_unc", "uncov. neg."), ("slack_canc", "cancel."),
             ("slack_num", "numeric"), ("clock", "clock")]
-    # the witness variants' columns (anchors, block witnesses), beside the screened one's
+    # the variants' columns (anchors, block witnesses, survivor cost), beside the screened one's
     variants = [(name, label, over) for name, label, over in (
         ("anchored", f"anchors every {p.anchor_stride}", dict(anchor_stride=p.anchor_stride)),
         ("blockwit", f"{p.block_witnesses} block witnesses",
-         dict(block_witnesses=p.block_witnesses))) if any(over.values())]
+         dict(block_witnesses=p.block_witnesses)),
+        ("kappa", f"survivor cost {p.survivor_cost:g}",
+         dict(survivor_cost=p.survivor_cost or None))) if any(over.values())]
     at = [c for c, _ in cols].index("cost_terms") + 1
     for name, label, _ in reversed(variants):
         cols[at:at] = [(f"{name}_ms", f"DoSA, {label}, ms"), (f"dense_over_{name}", f"dense/{name}"),

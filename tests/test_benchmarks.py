@@ -24,7 +24,8 @@ def tables(tmp_path_factory):
     """Each preset run once, in one process (the quick presets share a config and shapes, so
     DoSA and the dense scan compile once)."""
     out = str(tmp_path_factory.mktemp("bench"))
-    variant = {"matrix": ["--block-witnesses", "128"]}     # the matrix's witness variant too
+    # the matrix's variants too: block witnesses and a survivor cost
+    variant = {"matrix": ["--block-witnesses", "128", "--survivor-cost", "3"]}
     return out, {name: entry.run([name, "--quick", "--out", out] + variant.get(name, []))
                  for name in ("headline", "matrix", "kernels", "select")}
 
@@ -53,16 +54,20 @@ def test_matrix_geometric_mean_from_its_rows(tables):
     p = QUICK["matrix"]
     assert sorted((r["case"], r["N"]) for r in tab.rows) == sorted(
         (c.name, n) for c in p.cases for n in p.Ns)
-    ratios = [r["dense_ms"] / r["dosa_ms"] for r in tab.rows]
-    expected = float(np.exp(np.mean(np.log(ratios))))
-    (label, got), = [(k, v) for k, v in tab.summary().items() if k.startswith("geometric mean")]
-    assert got == pytest.approx(expected, rel=1e-12)
-    assert f"({len(ratios)} cases)" in label
-    assert {"blockwit_ms", "dense_over_blockwit", "blockwit_survival"} <= set(_columns(tab))
+    means = {k: v for k, v in tab.summary().items() if k.startswith("geometric mean")}
+    assert len(means) == 4           # DoSA, always screened, block witnesses, survivor cost
+    for path in ("dosa", "screened", "blockwit", "kappa"):
+        ratios = [r["dense_ms"] / r[f"{path}_ms"] for r in tab.rows]
+        name = "DoSA" if path == "dosa" else path
+        (label, got), = [(k, v) for k, v in means.items() if f"dense/{name}," in k]
+        assert got == pytest.approx(float(np.exp(np.mean(np.log(ratios)))), rel=1e-12)
+        assert f"({len(ratios)} cases)" in label
+    for name in ("blockwit", "kappa"):
+        assert {f"{name}_ms", f"dense_over_{name}", f"{name}_survival"} <= set(_columns(tab))
     for r in tab.rows:
         assert set(_columns(tab)) <= set(r), set(_columns(tab)) - set(r)
         assert r["dosa_eq_dense"] is True       # every variant's answer too
-        assert 0 < r["blockwit_survival"] <= 1
+        assert 0 < r["blockwit_survival"] <= 1 and 0 < r["kappa_survival"] <= 1
         assert r["bound_queries"] == p.bound_queries
         # the bound's floor at τ* never exceeds survival at τ ≤ τ* on the same keys
         assert 0 <= r["survival_sub_tau_star"] <= r["survival_sub_tau"] <= 1
@@ -70,7 +75,7 @@ def test_matrix_geometric_mean_from_its_rows(tables):
         assert all(r[f"slack_{k}"] >= -1e-6 for k in ("pos", "unc", "canc"))
     saved = json.load(open(tab.json_path))
     assert [s["case"] for s in saved["rows"]] == [r["case"] for r in tab.rows]
-    assert saved["summary"][label] == pytest.approx(expected, rel=1e-12)
+    assert all(saved["summary"][k] == pytest.approx(v, rel=1e-12) for k, v in means.items())
     md = open(tab.md_path).read().splitlines()
     header = next(i for i, l in enumerate(md) if l.startswith("| case |"))
     assert sum(l.startswith("| ") for l in md[header + 2:]) == len(tab.rows)
