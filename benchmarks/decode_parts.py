@@ -23,6 +23,8 @@ of ``--repeats`` calls after warm-up):
   ``best_witnesses`` (a sort of the pool);
 * ``screen splits=S``: the screen with S key splits per sequence (the default:
   ``default_splits``);
+* ``screen BK=… warps=… stages=…``: the screen at other tiles, Triton warps and pipeline
+  stages (the default: ``SCREEN_KEY_TILE`` and the scan's ``Tiles``);
 * ``overflow update``: the same from all records (``record_witnesses``, the overflow path);
 * ``records select``: the exact selection over all records (the overflow fallback alone);
 * ``top_k rows``: ``lax.top_k`` of the witness order keys over all 4 slots per sequence and
@@ -140,6 +142,15 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
             recorded = float(jnp.mean(jnp.sum(f(q, w, k, s, theta, n)[2], axis=1)))
             variants.append((f"screen BK={tile} norm={'each key' if norm is None else 'dtype'}"
                              f" ({recorded:.0f} recorded/query)", f, (q, w, k, s, theta, n)))
+    for tile in (64, 128):          # the screen's Triton warps and pipeline stages
+        for warps in (2, 4, 8):
+            for stages in (2, 4):
+                f = jax.jit(functools.partial(
+                    lambda q, w, k, s, theta, n, tile, warps, stages: kd.screen_records(
+                        prep(q, w, k, s), q, w, theta[::kd.SLOTS], n, K, key_tile=tile,
+                        warps=warps, stages=stages), tile=tile, warps=warps, stages=stages))
+                variants.append((f"screen BK={tile} warps={warps} stages={stages}", f,
+                                 (q, w, k, s, theta, n)))
     screen_tile = kd.scan_tile(N, kd.SCREEN_KEY_TILE)
     same_select = all(bool(jnp.array_equal(x, y)) for x, y in zip(
         jax.tree.leaves(f_select(ck, cids, wk, wids)),

@@ -438,12 +438,15 @@ def witness_threshold(prep: Prepared, ids, lengths, M: int, K: int, *, interpret
 
 
 def screen_records(prep: Prepared, q, w, theta, lengths, K: int, *, splits=None,
-                   interpret=None, key_tile: int = SCREEN_KEY_TILE, norm="auto"):
+                   interpret=None, key_tile: int = SCREEN_KEY_TILE, norm="auto",
+                   warps: int = 0, stages: int = 0):
     """The screen (one query slot per sequence, M = 1): record buffers of the keys whose upper
     bound clears ``theta`` [B] (order keys of the bounds and ids [B, S, C]; counts ≤ C and
     appended [B, S]; appended > C: that buffer overflowed). The upper bounds are ≥ the
     canonical scores, so every key whose canonical score clears ``theta`` is recorded unless
-    a buffer overflowed."""
+    a buffer overflowed. ``warps``, ``stages``: the kernel's Triton warps and pipeline stages
+    (0: the scan's, ``prep.tiles``); the bound holds for any (its margin covers any scorer's
+    summation order)."""
     if interpret is None:
         interpret = interpret_default()
     B = prep.page_table.shape[0]
@@ -456,7 +459,9 @@ def screen_records(prep: Prepared, q, w, theta, lengths, K: int, *, splits=None,
     coef = screen_margin_coefficient(q[:, 0], w[:, 0], prep.kp.dtype)
     return decode_scan(ops.q, ops.w, lengths.astype(jnp.int32), theta, prep.page_table, prep.kp,
                        prep.scale, coef, K=K, S=S, C=C, BK=BK, page=prep.page,
-                       tiles=prep.tiles, H=ops.H, pairs=ops.pairs, lane_sums=False,
+                       tiles=prep.tiles._replace(num_warps=warps or prep.tiles.num_warps,
+                                                 num_stages=stages or prep.tiles.num_stages),
+                       H=ops.H, pairs=ops.pairs, lane_sums=False,
                        interpret=interpret, contiguous=prep.contiguous, slots=1,
                        norm_bound=nb)
 

@@ -36,12 +36,12 @@ def _problem(rng, B, N, key_dtype, q_dtype):
     return q, k, s, w
 
 
-def _check_bound(q, k, s, w, lengths, interpret, splits=2):
+def _check_bound(q, k, s, w, lengths, interpret, splits=2, **screen):
     """u_i ≥ the canonical score of every visible key (order keys of both kernels, no
     threshold, buffers large enough for all keys), and u_i − c_i is a small fraction of the
     score's magnitude α_i·n_i·Σ_h |w_h|‖q_h‖ (the bound is not vacuous; n_i the screen's
     payload norm bound: FP8's for every key, else ‖k_i‖ plus the allowance for flushed
-    squares)."""
+    squares). ``screen``: the screen kernel's options (warps, stages)."""
     B, N = k.shape[:2]
     prep = kd.prepare(q, w, k, s, None)
     none4 = jnp.full((B * kd.SLOTS,), kd.THETA_NONE, jnp.int32)
@@ -49,7 +49,7 @@ def _check_bound(q, k, s, w, lengths, interpret, splits=2):
                                      interpret=interpret)
     canon = _all_keys(rk, ri, cnt, range(0, B * kd.SLOTS, kd.SLOTS), N)
     rk, ri, cnt, app = kd.screen_records(prep, q, w, none4[:B], lengths, N, splits=splits,
-                                         interpret=interpret)
+                                         interpret=interpret, **screen)
     assert (np.asarray(app) <= rk.shape[2]).all()
     upper = _all_keys(rk, ri, cnt, range(B), N)
     kf = np.asarray(k, np.float64)
@@ -88,13 +88,15 @@ ON_GPU = dosa_jax.backend.on_gpu()
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 def test_gpu_compiled_screen_bound_holds_on_every_key():
     """Compiled kernels (the GPU's MMA, square root and flushing): the bound on every key of
-    a trained indexer's FP8 keys (code, layer 3, its last query) and of Gaussian FP8 keys
-    with extreme payloads and scales."""
+    a trained indexer's FP8 keys (code, layer 3, its last query; the screen at three Triton
+    warp and stage counts) and of Gaussian FP8 keys with extreme payloads and scales."""
     from dosa_jax import datasets
     inp = datasets.trained("code", 3, length=32768, num_queries=1)
     q = inp.q[None].astype(jnp.bfloat16)
-    _check_bound(q, inp.k[None], inp.k_scale[None], inp.w[None],
-                 jnp.array([inp.k.shape[0]], jnp.int32), False, splits=8)
+    for warps, stages in ((0, 0), (2, 2), (8, 4)):   # the default, and other Triton configs
+        _check_bound(q, inp.k[None], inp.k_scale[None], inp.w[None],
+                     jnp.array([inp.k.shape[0]], jnp.int32), False, splits=8, warps=warps,
+                     stages=stages)
     rng = np.random.default_rng(3)
     q, k, s, w = _problem(rng, 2, 8192, "fp8", jnp.bfloat16)
     _check_bound(q, k, s, w, jnp.array([8192, 5000], jnp.int32), False, splits=4)
@@ -198,7 +200,8 @@ def test_decode_parts_benchmark_runs_on_cpu(tmp_path):
     saved = json.loads((tmp_path / "decode_parts.json").read_text())
     parts = [r["part"] for r in saved["rows"]]
     assert parts[:4] == ["step", "witness", "screen", "screened"]
-    assert sum(p.startswith("screen BK=") for p in parts) == 6
+    assert sum(p.startswith("screen BK=") and "warps=" not in p for p in parts) == 6
+    assert sum(p.startswith("screen BK=") and "warps=" in p for p in parts) == 12
     assert {"screened select", "screened select, sorted pool", "screen splits=16"} <= set(parts)
     assert any("sorted pool" in n and "bitwise" in n for n in saved["notes"])
     assert all(r["ms"] > 0 for r in saved["rows"])
