@@ -185,7 +185,7 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
                     f"queries over the buffer: {int(jnp.sum(over[real]))} of {B}; splits "
                     f"compacted mid-scan: {int(jnp.sum(app > rk.shape[2] - 64))}; "
                     f"splits {rk.shape[1]}, records per split {rk.shape[2]}; the screen's "
-                    f"default splits {kd.default_splits(B, N // screen_tile)}",
+                    f"default splits {kd.screen_layout(B, N // screen_tile, K, screen_tile)[0]}",
                     "screened select == screened select, sorted pool (indices, scores, next "
                     f"witnesses): {'bitwise' if same_select else 'MISMATCH'}"])
     if not same_select:

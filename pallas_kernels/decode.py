@@ -77,6 +77,11 @@ KEY_TILE = 64
 SCREEN_KEY_TILE = 64
 #: Programs wanted per step (≈ 4 per SM of an H200's 132) when choosing the key splits.
 PROGRAMS = 528
+#: The screen's programs wanted per step and its most splits per sequence: its buffers hold
+#: only candidates, so it splits finer (on the H200 at N = 1M, 512 splits against 64: the
+#: screen 0.414 → 0.101 ms at B = 1, 0.688 → 0.637 ms at B = 8).
+SCREEN_PROGRAMS = 4096
+SCREEN_MAX_SPLITS = 512
 
 
 def _scan_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, BK: int, H: int, S: int, C: int, K: int,
@@ -263,6 +268,17 @@ def default_splits(B: int, tiles_per_sequence: int) -> int:
     return int(max(1, min(64, PROGRAMS // max(B, 1), tiles_per_sequence // 16)))
 
 
+def screen_layout(B: int, tiles_per_sequence: int, K: int, BK: int, splits=None):
+    """(key splits per sequence, record slots per split) of the screen: ≈
+    :data:`SCREEN_PROGRAMS` programs, each walking ≥ 16 tiles, at most
+    :data:`SCREEN_MAX_SPLITS`; slots for 2·K records, or for every key of the split when it
+    has fewer (such a buffer never overflows)."""
+    S = splits or int(max(1, min(SCREEN_MAX_SPLITS, SCREEN_PROGRAMS // max(B, 1),
+                                 tiles_per_sequence // 16)))
+    per_split = -(-tiles_per_sequence // S) * BK
+    return S, min(capacity_for(K, BK, 2 * K), round_up_to(max(per_split, BK), 16))
+
+
 def witness_keys(ops, kp, scale, rows, first, M: int, tiles: Tiles, interpret: bool):
     """Order keys [B·4, Wp] of each sequence's witnesses for its 4 query slots (seed kernel).
 
@@ -337,11 +353,14 @@ def record_witnesses(rk, ri, cnt, K: int, n: int, wk, wids):
 
 
 def workspace_bytes(B: int, K: int, W: int, D: int, *, capacity=None, splits: int,
-                    key_tile: int = KEY_TILE, key_bytes: int = 1, screen: bool = True) -> dict:
-    """Device bytes a decode step allocates besides the key cache (independent of N).
+                    key_tile: int = KEY_TILE, key_bytes: int = 1, screen: bool = True,
+                    screen_splits: int = 0, screen_slots: int = 0) -> dict:
+    """Device bytes a decode step allocates besides the key cache (independent of N given
+    the splits; :func:`screen_layout` gives the screen's, at most 512 × 2·K slots).
 
     records: order keys + ids of C slots per (query slot, split) of the canonical scan;
-    counts; the screen's records (one slot per sequence: ``screen``, 0 without it); the
+    counts; the screen's records (one slot per sequence: ``screen``, 0 without it, on
+    ``screen_splits`` × ``screen_slots``, 0: ``splits`` × C); the
     witness table (gathered keys, scales, entries, order keys); the candidate table the
     screen rescores (the same per candidate slot); the selection buffer and the witnesses
     below τ_w (keys + ids: what the next witnesses are chosen from).
@@ -353,7 +372,8 @@ def workspace_bytes(B: int, K: int, W: int, D: int, *, capacity=None, splits: in
     Cp = round_up_to(cap, 64)
     table = lambda n: B * n * (D * key_bytes + 4 + 4) + T * n * 4
     parts = dict(records=T * splits * C * 8, counts=T * splits * 8,
-                 screen=(B * splits * (C * 8 + 8)) if screen else 0,
+                 screen=(B * (screen_splits or splits) * ((screen_slots or C) * 8 + 8))
+                 if screen else 0,
                  witness_table=table(Wp), candidate_table=table(Cp) if screen else 0,
                  selection=T * (cap + Wp) * 8)
     parts["total"] = sum(parts.values())
@@ -451,8 +471,7 @@ def screen_records(prep: Prepared, q, w, theta, lengths, K: int, *, splits=None,
         interpret = interpret_default()
     B = prep.page_table.shape[0]
     BK = scan_tile(prep.page, key_tile)
-    S = splits or default_splits(B, prep.page * prep.page_table.shape[1] // BK)
-    C = capacity_for(K, BK, 2 * K)
+    S, C = screen_layout(B, prep.page * prep.page_table.shape[1] // BK, K, BK, splits)
     nb = payload_norm_bound(prep.kp.dtype, prep.kp.shape[2]) if norm == "auto" else norm
     ops = prepare_operands(q[:, 0], w[:, 0], None, None, 1, jnp.bfloat16, "kc", widen_fp8=False,
                            lane_sums=False, keys=(prep.kp, jnp.ones((1,), jnp.float32)))
@@ -590,7 +609,7 @@ def decode_topk_reference(q, k, w, ids, k_scale, lengths, page_table, config):
 
 
 __all__ = ["KEY_TILE", "Prepared", "SLOTS", "decode_scan", "decode_topk", "decode_topk_reference",
-           "default_splits", "gather_candidates", "gather_records", "key_layout", "key_norm_upper",
+           "default_splits", "screen_layout", "gather_candidates", "gather_records", "key_layout", "key_norm_upper",
            "key_rows", "prepare", "record_witnesses", "scan_records", "scan_tile",
            "exact_step", "screen_margin_coefficient", "screen_records", "screen_upper",
            "screened_step", "screens",
