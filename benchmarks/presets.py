@@ -121,7 +121,8 @@ def stats_summary(stats) -> Dict[str, float]:
 def bound_floor(inp, scores_dense, tau_seed, cfg, K: int, queries: int) -> Dict[str, float]:
     """The certificate evaluated on every key of ``queries`` queries strided over the T.
 
-    The reference planner plans those queries as one tile; over their screened (visible,
+    The reference planner plans those queries as one tile (with the kernels' survivor cost κ
+    when ``cfg`` runs the kernels); over their screened (visible,
     non-seed) keys: survival at the run's seed threshold τ (``tau_seed``: U^num ≥ τ), at
     the exact τ* (U^num ≥ τ*: the bound's floor with a perfect seed), and
     the means of the Eq. 14 slack terms U^num − s = δ_P + uncovered negatives + cancellation
@@ -137,7 +138,11 @@ def bound_floor(inp, scores_dense, tau_seed, cfg, K: int, queries: int) -> Dict[
     sub = np.arange(0, T, max(1, T // queries))[:queries]
     q, w, lo, hi = inp.q[sub], inp.w[sub], inp.lo[sub], inp.hi[sub]
     s = dosa_jax.score(q, inp.k, w, k_scale=inp.k_scale, lo=lo, hi=hi)
-    a = analyse_jit(q, inp.k, w, inp.k_scale, lo, hi, s, cfg.replace(backend="reference"))
+    ref = cfg.replace(backend="reference")
+    if cfg.survivor_cost is None and dosa_jax.backend.resolve_backend(cfg.backend) == "pallas":
+        from pallas_kernels.pipeline import SURVIVOR_COST    # the kernels' κ, not the reference's
+        ref = ref.replace(survivor_cost=SURVIVOR_COST)
+    a = analyse_jit(q, inp.k, w, inp.k_scale, lo, hi, s, ref)
     a = {k_: np.asarray(v) for k_, v in a.items()}
     scr = a["screened"]
     n = max(int(scr.sum()), 1)
