@@ -82,8 +82,9 @@ def test_dosa_with_two_budget_classes_equals_dense_bitwise():
     the answer is bitwise the dense kernel's, and the bound holds on every key."""
     inp = synthetic.structured(T=32, N=1500, H=8, D=32, seed=5, key_dtype="float8_e4m3fn",
                                query_dtype="bfloat16")
+    # survivors priced as dot products (κ = 1): on this data both candidates are chosen
     cfg = Config(top_k=32, retained_heads="auto", budget_candidates=(2, 6), seed_size=256,
-                 capacity=1024)
+                 capacity=1024, survivor_cost=1.0)
     args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)
     # budgets chosen per query, the aggregate as two columns, the plain screen loop
     per_query = TILES_KC._replace(budget_share="query", aggregate_hi_only=False,
