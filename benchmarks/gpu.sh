@@ -23,7 +23,8 @@
 # returns at most 8): gpu_log.txt (every stage's output), tests.txt, and each preset's
 # <preset>.md / <preset>.json (rewritten after every row: a killed stage keeps its rows).
 # Set DOSA_COMMIT=<sha> when the device copy has no usable git metadata. MATRIX_ARGS adds
-# options to the matrix stages (e.g. --cases code2_H32,prose1_H64).
+# options to the matrix stages (e.g. --cases code2_H32,prose1_H64, or --survivor-cost 2: DoSA at
+# that κ timed beside the default).
 set -o pipefail
 OUT=${OUT:-bench_out}
 mkdir -p "$OUT"

@@ -41,37 +41,42 @@ def _use_compilation_cache(path):
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def _compile_with_the_collector_paused():
-    """Pause Python's garbage collector — and with it jax's callback into XLA's own
-    (``collect_garbage``, run from ``gc.callbacks`` by whichever thread allocates) — while
-    XLA compiles, so that no other thread of the process (pytest-xdist's receiver) runs it
-    during a compile: under ``-n 2`` a worker crashed now and then with a segmentation
-    fault inside the CPU compiler (jaxlib 0.10.2). The collector runs again right after."""
-    import functools
+#: A process may hold at most ``vm.max_map_count`` memory mappings (65530 by default) and
+#: every CPU executable XLA keeps maps about three: one pytest-xdist worker running half of
+#: the suite kept ≈ 50,000 programs' worth (test_pallas_kernels alone left 19,000 mappings)
+#: and crashed with a segmentation fault inside the compiler when a new mapping failed. Past
+#: this share of the limit the worker drops jax's compiled programs (they recompile on use).
+MAP_SHARE = 0.6
+
+
+def _map_limit():
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None                      # not Linux: no such limit to guard
+
+
+def _mappings():
+    with open("/proc/self/maps", "rb") as f:
+        return sum(1 for _ in f)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a test: when the process's memory mappings pass :data:`MAP_SHARE` of the
+    kernel's limit, clear jax's caches of compiled programs and collect them."""
+    limit = _map_limit()
+    if limit is None or _mappings() < MAP_SHARE * limit:
+        return
     import gc
 
-    from jax._src import compiler
-
-    compile_and_load = getattr(compiler, "backend_compile_and_load", None)
-    if compile_and_load is None or getattr(compile_and_load, "_dosa_gc_paused", False):
-        return
-
-    @functools.wraps(compile_and_load)
-    def paused(*args, **kwargs):
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
-            return compile_and_load(*args, **kwargs)
-        finally:
-            if enabled:
-                gc.enable()
-
-    paused._dosa_gc_paused = True
-    compiler.backend_compile_and_load = paused
+    import jax
+    jax.clear_caches()
+    gc.collect()
 
 
 def pytest_configure(config):
-    _compile_with_the_collector_paused()
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None:          # a pytest-xdist worker: the controller's directory
         path = workerinput.get("dosa_compilation_cache")
