@@ -268,13 +268,17 @@ def default_splits(B: int, tiles_per_sequence: int) -> int:
     return int(max(1, min(64, PROGRAMS // max(B, 1), tiles_per_sequence // 16)))
 
 
+def max_screen_splits(B: int) -> int:
+    """The screen's most key splits per sequence at batch B (any N)."""
+    return int(max(1, min(SCREEN_MAX_SPLITS, SCREEN_PROGRAMS // max(B, 1))))
+
+
 def screen_layout(B: int, tiles_per_sequence: int, K: int, BK: int, splits=None):
     """(key splits per sequence, record slots per split) of the screen: ≈
     :data:`SCREEN_PROGRAMS` programs, each walking ≥ 16 tiles, at most
     :data:`SCREEN_MAX_SPLITS`; slots for 2·K records, or for every key of the split when it
     has fewer (such a buffer never overflows)."""
-    S = splits or int(max(1, min(SCREEN_MAX_SPLITS, SCREEN_PROGRAMS // max(B, 1),
-                                 tiles_per_sequence // 16)))
+    S = splits or int(max(1, min(max_screen_splits(B), tiles_per_sequence // 16)))
     per_split = -(-tiles_per_sequence // S) * BK
     return S, min(capacity_for(K, BK, 2 * K), round_up_to(max(per_split, BK), 16))
 
@@ -355,12 +359,12 @@ def record_witnesses(rk, ri, cnt, K: int, n: int, wk, wids):
 def workspace_bytes(B: int, K: int, W: int, D: int, *, capacity=None, splits: int,
                     key_tile: int = KEY_TILE, key_bytes: int = 1, screen: bool = True,
                     screen_splits: int = 0, screen_slots: int = 0) -> dict:
-    """Device bytes a decode step allocates besides the key cache (independent of N given
-    the splits; :func:`screen_layout` gives the screen's, at most 512 × 2·K slots).
+    """Device bytes a decode step allocates besides the key cache (independent of N).
 
     records: order keys + ids of C slots per (query slot, split) of the canonical scan;
-    counts; the screen's records (one slot per sequence: ``screen``, 0 without it, on
-    ``screen_splits`` × ``screen_slots``, 0: ``splits`` × C); the
+    counts; the screen's records (one slot per sequence: ``screen``, 0 without it) on
+    ``screen_splits`` × ``screen_slots`` (:func:`screen_layout`'s for a given N; 0: the most
+    it takes at any N, its split cap × C); the
     witness table (gathered keys, scales, entries, order keys); the candidate table the
     screen rescores (the same per candidate slot); the selection buffer and the witnesses
     below τ_w (keys + ids: what the next witnesses are chosen from).
@@ -372,8 +376,8 @@ def workspace_bytes(B: int, K: int, W: int, D: int, *, capacity=None, splits: in
     Cp = round_up_to(cap, 64)
     table = lambda n: B * n * (D * key_bytes + 4 + 4) + T * n * 4
     parts = dict(records=T * splits * C * 8, counts=T * splits * 8,
-                 screen=(B * (screen_splits or splits) * ((screen_slots or C) * 8 + 8))
-                 if screen else 0,
+                 screen=(B * (screen_splits or max_screen_splits(B))
+                         * ((screen_slots or C) * 8 + 8)) if screen else 0,
                  witness_table=table(Wp), candidate_table=table(Cp) if screen else 0,
                  selection=T * (cap + Wp) * 8)
     parts["total"] = sum(parts.values())

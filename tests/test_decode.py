@@ -410,11 +410,23 @@ def test_workspace_is_what_the_kernels_allocate_and_does_not_grow_with_n():
         rk, ri, cnt, app = kd.scan_records(prep, theta, jnp.array([N, N // 2]), 1, K, splits=2,
                                            interpret=True)
         sizes.append(rk.nbytes + ri.nbytes + cnt.nbytes + app.nbytes)
+        srk, sri, scnt, sapp = kd.screen_records(prep, q[:, None], w[:, None], theta[::kd.SLOTS],
+                                                 jnp.array([N, N // 2]), K, interpret=True)
+        S, C = kd.screen_layout(B, N // kd.SCREEN_KEY_TILE, K, kd.SCREEN_KEY_TILE)
+        assert srk.shape == (B, S, C)
+        assert srk.nbytes + sri.nbytes + scnt.nbytes + sapp.nbytes == kd.workspace_bytes(
+            B, K, K, D, splits=2, screen_splits=S, screen_slots=C)["screen"]
     ws = kd.workspace_bytes(B, K, K, D, splits=2)
     assert sizes[0] == sizes[1] == ws["records"] + ws["counts"]
     big = [kd.workspace_bytes(8, 2048, 2048, 128, splits=kd.default_splits(8, n // 64))["total"]
-           for n in (1 << 17, 1 << 20)]
-    assert big[0] == big[1]
+           for n in (1 << 17, 1 << 20, 1 << 24)]
+    assert big[0] == big[1] == big[2]
+    # the screen's buffers at any N stay within the bound that workspace_bytes states
+    bound = kd.workspace_bytes(8, 2048, 2048, 128, splits=64)["screen"]
+    for n in (1 << 12, 1 << 17, 1 << 20, 1 << 24):
+        S, C = kd.screen_layout(8, n // 64, 2048, 64)
+        assert 8 * S * (C * 8 + 8) <= bound
+        assert C >= min(-(-n // 64 // S) * 64, 2 * 2048)   # every key of a split, or 2·K
 
 
 ON_GPU = dosa_jax.backend.on_gpu()
