@@ -613,8 +613,9 @@ def decode_topk_reference(q, k, w, ids, k_scale, lengths, page_table, config):
 
 
 __all__ = ["KEY_TILE", "Prepared", "SLOTS", "decode_scan", "decode_topk", "decode_topk_reference",
-           "default_splits", "screen_layout", "gather_candidates", "gather_records", "key_layout", "key_norm_upper",
-           "key_rows", "prepare", "record_witnesses", "scan_records", "scan_tile",
+           "default_splits", "gather_candidates", "gather_records", "key_layout", "key_norm_upper",
+           "key_rows", "max_screen_splits", "prepare", "record_witnesses", "scan_records",
+           "scan_tile", "screen_layout",
            "exact_step", "screen_margin_coefficient", "screen_records", "screen_upper",
            "screened_step", "screens",
            "witness_keys", "witness_threshold", "workspace_bytes"]
