@@ -31,7 +31,6 @@ and a buffer of K slots (overflow and its exact fallback happen).
 
 from __future__ import annotations
 
-import functools
 import time
 
 import jax

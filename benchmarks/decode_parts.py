@@ -36,7 +36,6 @@ Also per query: candidates, and whether its records overflowed the buffer.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 from typing import NamedTuple
@@ -95,8 +94,12 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
     f_scan = jax.jit(lambda q, w, k, s, theta, n: kd.scan_records(prep(q, w, k, s), theta, n, M,
                                                                   K))
     rk, ri, cnt, app = f_scan(q, w, k, s, theta, n)
-    f_screen = jax.jit(lambda q, w, k, s, theta, n: kd.screen_records(
-        prep(q, w, k, s), q, w, theta[::kd.SLOTS], n, K))
+
+    def screen_variant(**options):   # the screen kernel from those τ_w, at these options
+        return jax.jit(lambda q, w, k, s, theta, n: kd.screen_records(
+            prep(q, w, k, s), q, w, theta[::kd.SLOTS], n, K, **options))
+
+    f_screen = screen_variant()
     f_screened = jax.jit(lambda q, w, k, s, theta, wk, wids, n: kd.screened_step(
         prep(q, w, k, s), q, w, theta, wk, wids, n, B, K, cap, witness_budget(ids.shape[1], M),
         None, None))
@@ -131,34 +134,26 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
     f_top_all = jax.jit(lambda wk: lax.top_k(wk, K)[0][:, K - 1])
     f_top_real = jax.jit(lambda wk: lax.top_k(wk[real], K)[0][:, K - 1])
 
+    screen_args = (q, w, k, s, theta, n)
     variants = []
     for tile in (64, 128, 256):
         for norm in ("auto", None):
-            f = jax.jit(functools.partial(lambda q, w, k, s, theta, n, tile, norm:
-                                          kd.screen_records(prep(q, w, k, s), q, w,
-                                                            theta[::kd.SLOTS], n, K,
-                                                            key_tile=tile, norm=norm),
-                                          tile=tile, norm=norm))
-            recorded = float(jnp.mean(jnp.sum(f(q, w, k, s, theta, n)[2], axis=1)))
+            f = screen_variant(key_tile=tile, norm=norm)
+            recorded = float(jnp.mean(jnp.sum(f(*screen_args)[2], axis=1)))
             variants.append((f"screen BK={tile} norm={'each key' if norm is None else 'dtype'}"
-                             f" ({recorded:.0f} recorded/query)", f, (q, w, k, s, theta, n)))
+                             f" ({recorded:.0f} recorded/query)", f, screen_args))
     for tile in (64, 128):          # the screen's Triton warps and pipeline stages
         for warps in (2, 4, 8):
             for stages in (2, 4):
-                f = jax.jit(functools.partial(
-                    lambda q, w, k, s, theta, n, tile, warps, stages: kd.screen_records(
-                        prep(q, w, k, s), q, w, theta[::kd.SLOTS], n, K, key_tile=tile,
-                        warps=warps, stages=stages), tile=tile, warps=warps, stages=stages))
-                variants.append((f"screen BK={tile} warps={warps} stages={stages}", f,
-                                 (q, w, k, s, theta, n)))
+                variants.append((f"screen BK={tile} warps={warps} stages={stages}",
+                                 screen_variant(key_tile=tile, warps=warps, stages=stages),
+                                 screen_args))
     screen_tile = kd.scan_tile(N, kd.SCREEN_KEY_TILE)
     same_select = all(bool(jnp.array_equal(x, y)) for x, y in zip(
         jax.tree.leaves(f_select(ck, cids, wk, wids)),
         jax.tree.leaves(f_select_sorted(ck, cids, wk, wids))))
     for S in (x for x in (16, 32, 64, 128, 256, 512) if x <= N // screen_tile):
-        f = jax.jit(functools.partial(lambda q, w, k, s, theta, n, S: kd.screen_records(
-            prep(q, w, k, s), q, w, theta[::kd.SLOTS], n, K, splits=S), S=S))
-        variants.append((f"screen splits={S}", f, (q, w, k, s, theta, n)))
+        variants.append((f"screen splits={S}", screen_variant(splits=S), screen_args))
     parts = [("step", step, (qs[3], ws[3], ls[3], k, s, st)),
              ("witness", f_wit, (q, w, k, s, ids, n)),
              ("screen", f_screen, (q, w, k, s, theta, n)),

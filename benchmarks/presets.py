@@ -139,9 +139,9 @@ def bound_floor(inp, scores_dense, tau_seed, cfg, K: int, queries: int) -> Dict[
     q, w, lo, hi = inp.q[sub], inp.w[sub], inp.lo[sub], inp.hi[sub]
     s = dosa_jax.score(q, inp.k, w, k_scale=inp.k_scale, lo=lo, hi=hi)
     ref = cfg.replace(backend="reference")
-    if cfg.survivor_cost is None and dosa_jax.backend.resolve_backend(cfg.backend) == "pallas":
-        from pallas_kernels.pipeline import SURVIVOR_COST    # the kernels' κ, not the reference's
-        ref = ref.replace(survivor_cost=SURVIVOR_COST)
+    if dosa_jax.backend.resolve_backend(cfg.backend) == "pallas":   # the kernels' κ
+        from pallas_kernels.pipeline import survivor_cost
+        ref = ref.replace(survivor_cost=survivor_cost(cfg))
     a = analyse_jit(q, inp.k, w, inp.k_scale, lo, hi, s, ref)
     a = {k_: np.asarray(v) for k_, v in a.items()}
     scr = a["screened"]
@@ -215,15 +215,16 @@ def cost_terms_fn(cfg: dosa_jax.Config):
 
 def matrix_summary(rows):
     out = {}
+    timed = dict.fromkeys(c for r in rows for c in r           # the variants, in row order
+                          if c.startswith("dense_over_") and c != "dense_over_dosa")
     for N in sorted({r["N"] for r in rows}, reverse=True):
         sel = [r["dense_over_dosa"] for r in rows if r["N"] == N]
         out[f"geometric mean dense/DoSA, N={N} ({len(sel)} cases)"] = geometric_mean(sel)
-        for name in ("screened", "anchored", "blockwit", "kappa"):   # the variants timed
-            sel = [r[f"dense_over_{name}"] for r in rows
-                   if r["N"] == N and r.get(f"dense_over_{name}") is not None]
+        for col in timed:
+            sel = [r[col] for r in rows if r["N"] == N and r.get(col) is not None]
             if sel:
-                out[f"geometric mean dense/{name}, N={N} ({len(sel)} cases)"] = \
-                    geometric_mean(sel)
+                out[f"geometric mean dense/{col[len('dense_over_'):]}, N={N} "
+                    f"({len(sel)} cases)"] = geometric_mean(sel)
     out["all DoSA == dense bitwise"] = all(r["dosa_eq_dense"] for r in rows) if rows else None
     return out
 

@@ -45,10 +45,9 @@ from jax import lax
 
 from dosa_jax.config import Config
 from dosa_jax.inputs import FLOAT_INPUT_DTYPES, FP8_DTYPE
-from dosa_jax.results import TopKResult
 from dosa_jax.scorer import full_scores_tile
 from dosa_jax.seeds import distinct_visible
-from dosa_jax.selection import INT32_MIN, key_to_score, order_key, select_by_position
+from dosa_jax.selection import INT32_MIN, key_to_score, order_key
 
 Array = jax.Array
 

@@ -69,6 +69,12 @@ SURVIVOR_BUDGET = 1 << 28
 SURVIVOR_COST = 3.0
 
 
+def survivor_cost(config) -> float:
+    """κ of ``config``'s automatic budget on this backend: ``config.survivor_cost``, else
+    :data:`SURVIVOR_COST`."""
+    return SURVIVOR_COST if config.survivor_cost is None else config.survivor_cost
+
+
 def _check_size(N: int):
     if N >= MAX_KEYS:
         raise ValueError(f"backend='pallas' supports N < {MAX_KEYS} keys, got {N}")
@@ -757,7 +763,7 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
     # screen class per wave: each class present costs its kernel's full latency) or per
     # screening program (tiles.budget_share), survivors weighted by κ
     B = budget_block(config.budgets(H), A, T, tiles)
-    kappa = SURVIVOR_COST if config.survivor_cost is None else config.survivor_cost
+    kappa = survivor_cost(config)
     plan, details, budget = build_plan(q.astype(jnp.float32), w, p, config, sample_dots=sdots,
                                        sample_norms=snorm, sample_valid=svalid, tau=tau,
                                        program_queries=B, survivor_weight=kappa)

@@ -1,5 +1,6 @@
 """Shared test helpers: float64 NumPy reference scorer and comparison utilities."""
 
+import functools
 import os
 import shutil
 import sys
@@ -49,6 +50,7 @@ def _use_compilation_cache(path):
 MAP_SHARE = 0.6
 
 
+@functools.lru_cache(maxsize=None)
 def _map_limit():
     try:
         with open("/proc/sys/vm/max_map_count") as f:

@@ -9,7 +9,7 @@ import pytest
 
 import dosa_jax
 from pallas_kernels import decode as kd
-from test_decode import D, H, _bits, _dense_per_sequence, _keys, _paged, _walk
+from test_decode import D, H, _bits, _dense_per_sequence, _keys, _paged
 
 
 def _all_keys(rk, ri, cnt, slot_rows, N):
