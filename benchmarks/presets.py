@@ -256,7 +256,8 @@ def matrix(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
     at = [c for c, _ in cols].index("cost_terms") + 1
     for name, label, _ in reversed(variants):
         cols[at:at] = [(f"{name}_ms", f"DoSA, {label}, ms"), (f"dense_over_{name}", f"dense/{name}"),
-                       (f"{name}_survival", f"{name} survival")]
+                       (f"{name}_survival", f"{name} survival"),
+                       (f"{name}_tau_over_tau_star", f"{name} τ/τ*")]
     tab = Table("matrix", f"Matrix: T={p.T} causal, K={p.K}, FP8 keys, Config(backend='auto')",
                 cols, out, meta, summary=matrix_summary, notes=[
                     f"median of {repeats} timed calls after {warmup} warm-up, each case's "
@@ -305,7 +306,8 @@ def matrix(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
                     t_var = timeit(f_var, *args, warmup=warmup, repeats=repeats)
                     row.update({f"{name}_ms": t_var.seconds * 1e3,
                                 f"dense_over_{name}": t_dense.seconds / t_var.seconds,
-                                f"{name}_survival": stats_summary(vst)["survival"]})
+                                **{f"{name}_{c}": v for c, v in stats_summary(vst).items()
+                                   if c in ("survival", "tau_over_tau_star")}})
                     del vi, vsc
                 log(f"[matrix] {case.name} N={N}: timed DoSA {row['dosa_ms']:.1f} ms, dense "
                     f"{row['dense_ms']:.1f} ms")
