@@ -26,13 +26,13 @@ import numpy as np
 
 
 def measure(domain: str, layer: int, *, length: int, queries: int, widths, block: int,
-            backend: str, heads: int = 32) -> dict:
+            backend: str, heads: int = 32, survivor_cost=None) -> dict:
     import jax
     import dosa_jax
     from dosa_jax import datasets
 
     x = datasets.trained(domain, layer, length=length, num_queries=queries, heads=heads)
-    cfg = dosa_jax.Config(top_k=2048, backend=backend)
+    cfg = dosa_jax.Config(top_k=2048, backend=backend, survivor_cost=survivor_cost)
 
     def run(c, hint=None):
         return jax.jit(lambda q, k, w, s, lo, hi, h: dosa_jax.topk(
@@ -64,7 +64,7 @@ def measure(domain: str, layer: int, *, length: int, queries: int, widths, block
     t0 = time.time()
     base = run(cfg)
     row = dict(case=f"{domain}{layer}", N=length, T=queries, H=heads, block=block,
-               seeds=summary(base))
+               kappa=survivor_cost, seeds=summary(base))
     base_tau = np.asarray(base.stats.tau_seed, np.float64)
     for W in widths:
         row[f"W{W}"] = summary(run(cfg.replace(block_witnesses=W, witness_block=block)),
@@ -76,7 +76,9 @@ def measure(domain: str, layer: int, *, length: int, queries: int, widths, block
 
 def report(rows, widths) -> str:
     head = ["case", "seeds"] + [f"W = {W}" for W in widths] + ["τ = τ*"]
-    lines = ["# Block witnesses", "",
+    lines = ["# Block witnesses", "", "survivor cost κ: " + ", ".join(sorted(
+                 {"backend's" if r.get("kappa") is None else f"{r['kappa']:g}" for r in rows})),
+             "",
              "survival (survivors / visible) · median τ/τ* · median share of the seed τ's gap "
              "to τ* closed", "", "| " + " | ".join(head) + " |",
              "|" + " --- |" * len(head)]
@@ -104,6 +106,8 @@ def main(argv=None):
     p.add_argument("--block", type=int, default=64)
     p.add_argument("--heads", type=int, default=32, choices=(32, 64))
     p.add_argument("--backend", default="reference", choices=("reference", "pallas", "auto"))
+    p.add_argument("--survivor-cost", type=float, default=None,
+                   help="the automatic budget's survivor weight κ (default: the backend's own)")
     p.add_argument("--out", default=".")
     a = p.parse_args(argv)
     widths = [int(v) for v in a.widths.split(",") if v]
@@ -116,7 +120,7 @@ def main(argv=None):
         try:
             rows.append(measure(dom, int(layer), length=a.length, queries=a.queries,
                                 widths=widths, block=a.block, backend=a.backend,
-                                heads=a.heads))
+                                heads=a.heads, survivor_cost=a.survivor_cost))
         except Exception as e:  # noqa: BLE001 - one failed case must not lose the others
             rows.append(dict(case=f"{dom}{layer}", error=repr(e)[:300]))
         print(json.dumps(rows[-1]), flush=True)

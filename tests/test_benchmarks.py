@@ -260,3 +260,23 @@ def test_committed_weights_by_default(tables):
     assert entry.weights_tag("", "committed") == "" and entry.weights_tag("", "slack") == "slack"
     assert entry.weights_tag("1m_h64", "slack") == "1m_h64_slack"
     assert entry.weights_tag("1m_h64_slack", "slack") == "1m_h64_slack"
+
+
+def test_block_witness_study_rows_and_survivor_cost(tmp_path):
+    """``benchmarks.block_witnesses`` on tiny shapes at a given κ: every call is checked
+    against the dense scan inside (it raises otherwise); perfect witnesses give τ = τ*; the
+    block witnesses, extra to the seeds, close a share of the seeds' gap to τ* in [0, 1]."""
+    from benchmarks import block_witnesses
+    block_witnesses.main(["--length", "16384", "--queries", "4", "--cases", "code:1",
+                          "--widths", "256", "--survivor-cost", "3", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "block_witnesses.json").read_text())
+    (row,) = saved["rows"]
+    assert "error" not in row, row
+    assert row["kappa"] == 3.0 and saved["args"]["survivor_cost"] == 3.0
+    perfect, seeds, wit = row["perfect"], row["seeds"], row["W256"]
+    assert perfect["tau_over_tau_star"] == pytest.approx(1.0)
+    assert seeds["tau_over_tau_star"] < 1 and 0 < seeds["survival"] <= 1
+    assert seeds["tau_over_tau_star"] <= wit["tau_over_tau_star"] <= 1
+    assert 0 <= wit["gap_closed"] <= 1 and 0 < perfect["survival"] <= 1
+    md = (tmp_path / "block_witnesses.md").read_text()
+    assert "survivor cost κ: 3" in md and "| code1 (N=16384, T=4) |" in md
