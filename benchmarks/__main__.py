@@ -102,8 +102,10 @@ def run(argv=None):
                          "slack runs' file names end in 'slack'")
     ap.add_argument("--anchor-stride", type=int, default=0,
                     help="matrix: also time DoSA with Config.anchor_stride=S (0: no variant)")
-    ap.add_argument("--block-witnesses", type=int, default=0,
-                    help="matrix: also time DoSA with Config.block_witnesses=W (0: no variant)")
+    ap.add_argument("--block-witnesses", type=int, default=None,
+                    help="matrix: also time DoSA with Config.block_witnesses=W beside the "
+                         "default (None: the backend's gate), W = 0 the plain seeds (omitted: "
+                         "no variant)")
     ap.add_argument("--survivor-cost", type=float, default=0.0,
                     help="matrix: also time DoSA with Config.survivor_cost=κ (0: no variant)")
     a = ap.parse_args(argv)

@@ -213,6 +213,18 @@ def cost_terms_fn(cfg: dosa_jax.Config):
     return jax.jit(lambda q, k, w, s, lo, hi: pipeline.call_cost_terms(q, k, w, s, lo, hi, cfg))
 
 
+def gate_fn(cfg: dosa_jax.Config):
+    """Jitted (q, k, w, k_scale, lo, hi) -> what the pallas gate of ``block_witnesses=None``
+    weighs (``pallas_kernels.pipeline.call_block_witness_gate``): the call's τ gap, its
+    mean key range and whether the gate adds block witnesses. None where the config does not
+    resolve to the kernels or names its block witnesses (no gate runs)."""
+    if dosa_jax.backend.resolve_backend(cfg.backend) != "pallas" or cfg.block_witnesses is not None:
+        return None
+    from pallas_kernels import pipeline
+    return jax.jit(lambda q, k, w, s, lo, hi: pipeline.call_block_witness_gate(q, k, w, s, lo, hi,
+                                                                               cfg))
+
+
 def matrix_summary(rows):
     out = {}
     timed = dict.fromkeys(c for r in rows for c in r           # the variants, in row order
@@ -237,6 +249,7 @@ def matrix(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
             ("dense_over_screened", "dense/screened"), ("predicted_cost", "predicted DoSA/dense"),
             ("dense_share", "queries answered densely"),
             ("cost_terms", "cost terms (screen, refine, dense, per query)"),
+            ("tau_gap", "τ gap (gate)"), ("block_witnesses_used", "block witnesses (gate)"),
             ("overflow_share", "screened: queries overflowed"),
             ("recovery_share", "screened: queries rescanned"),
             ("dense_share_screened", "screened: queries in the dense pass"),
@@ -247,12 +260,14 @@ def matrix(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
             ("slack_pos", "δ_P"), ("slack_unc", "uncov. neg."), ("slack_canc", "cancel."),
             ("slack_num", "numeric"), ("clock", "clock")]
     # the variants' columns (anchors, block witnesses, survivor cost), beside the screened one's
-    variants = [(name, label, over) for name, label, over in (
-        ("anchored", f"anchors every {p.anchor_stride}", dict(anchor_stride=p.anchor_stride)),
+    # (block witnesses: any explicit W, 0 included, is a variant beside the default's gate)
+    variants = [(name, label, over) for name, label, over, on in (
+        ("anchored", f"anchors every {p.anchor_stride}", dict(anchor_stride=p.anchor_stride),
+         bool(p.anchor_stride)),
         ("blockwit", f"{p.block_witnesses} block witnesses",
-         dict(block_witnesses=p.block_witnesses)),
+         dict(block_witnesses=p.block_witnesses), p.block_witnesses is not None),
         ("kappa", f"survivor cost {p.survivor_cost:g}",
-         dict(survivor_cost=p.survivor_cost or None))) if any(over.values())]
+         dict(survivor_cost=p.survivor_cost or None), bool(p.survivor_cost))) if on]
     at = [c for c, _ in cols].index("cost_terms") + 1
     for name, label, _ in reversed(variants):
         cols[at:at] = [(f"{name}_ms", f"DoSA, {label}, ms"), (f"dense_over_{name}", f"dense/{name}"),
@@ -273,6 +288,7 @@ def matrix(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
     # the same DoSA with the call-level dense switch off: what the switch's prediction decides on
     f_screened, _ = jitted_paths(cfg.replace(dense_switch=float("inf")))
     f_terms = cost_terms_fn(cfg)
+    f_gate = gate_fn(cfg)
     f_variants = [(name, jitted_paths(cfg.replace(**over))[0]) for name, _, over in variants]
     for N in Ns:
         for case in sorted(cases, key=lambda c: c.H):     # one compile per (H, N)
@@ -290,6 +306,11 @@ def matrix(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
                            dense_share=float(np.mean(np.asarray(st.dense))),
                            cost_terms=None if f_terms is None else
                            [round(float(t), 5) for t in np.asarray(f_terms(*args))])
+                if f_gate is not None:
+                    gap, _, used = (float(g) for g in np.asarray(f_gate(*args)))
+                    from pallas_kernels.pipeline import AUTO_BLOCK_WITNESSES
+                    row.update(tau_gap=gap,
+                               block_witnesses_used=AUTO_BLOCK_WITNESSES if used else 0)
                 del di, ds, si, ss
                 log(f"[matrix] {case.name} N={N}: checked (compiled) at "
                     f"{time.perf_counter() - t0:.1f}s, DoSA == dense {row['dosa_eq_dense']}")

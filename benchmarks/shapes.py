@@ -51,7 +51,7 @@ class Preset(NamedTuple):
     select_rows: int = 256
     select_cols: int = 1 << 20
     anchor_stride: int = 0
-    block_witnesses: int = 0
+    block_witnesses: Optional[int] = None   # matrix: a DoSA variant with Config.block_witnesses
     survivor_cost: float = 0.0   # matrix: a DoSA variant with Config.survivor_cost (0: none)
     # decode: batch sizes B, consecutive steps per timed row, steps of the exactness run,
     # and the wall-clock budget after which the remaining rows are skipped (reported)

@@ -59,6 +59,19 @@ def budget(text: str):
         raise argparse.ArgumentTypeError(f"must be 'auto' or an integer, got {text!r}") from None
 
 
+def witness_count(text: str):
+    if text == "auto":
+        return None
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer, got {text!r}") from None
+    if v < 0 or v % 64:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or a multiple of 64 (the block size) "
+                                         f">= 0, got {v}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m dosa_jax", description=__doc__, allow_abbrev=False,
@@ -86,9 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="retained-head budget r in [1, H-1], or 'auto' (per query, Eq. 18-21)")
     p.add_argument("--seed-strategy", choices=SEED_STRATEGIES, default="union",
                    help="which keys give the seed threshold τ (Eq. 2)")
-    p.add_argument("--block-witnesses", type=nonnegative_int, default=0, metavar="W",
+    p.add_argument("--block-witnesses", type=witness_count, default="auto", metavar="W",
                    help="extra witnesses for τ per query: the keys of its W/64 best blocks of "
-                        "64 keys, ranked by their mean key's score (a multiple of 64; 0: off)")
+                        "64 keys, ranked by their mean key's score (a multiple of 64; 0: off; "
+                        "auto: the backend decides per call, the kernels by their gate)")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="auto: Pallas kernels on a GPU, the pure-jnp reference elsewhere")
     p.add_argument("--seed", type=nonnegative_int, default=0,
@@ -141,9 +155,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.retained != "auto" and not 1 <= args.retained <= args.H - 1:
         parser.error(f"--retained must be 'auto' or in [1, H-1] = [1, {args.H - 1}], "
                      f"got {args.retained}")
-    if args.block_witnesses % 64:
-        parser.error(f"--block-witnesses must be a multiple of 64 (the block size), "
-                     f"got {args.block_witnesses}")
     return args
 
 

@@ -65,7 +65,18 @@ class Config:
         N / ``witness_block`` block means (:func:`dosa_jax.witnesses.block_witnesses`).
         The winners of a query cluster in few blocks, so τ rises towards τ* where the
         local window does not hold them; any ids are safe (the answer never changes).
+        0: none. None (the default): the backend decides per call: the pallas backend
+        adds ``pallas_kernels.pipeline.AUTO_BLOCK_WITNESSES`` when its planner's sample
+        says that many keys score between the seed τ and τ* (``block_witness_gate``),
+        the reference backend adds none.
       witness_block: keys per block of ``block_witnesses``.
+      block_witness_gate: the gate of ``block_witnesses=None`` on the pallas backend, in
+        keys per witness: W block witnesses join a call when its τ gap (the mean share of a
+        query's keys scoring at or above its seed τ beyond its K, estimated on the planner's
+        sample: ``pallas_kernels.pipeline.sampled_tau_gap``) times its mean key range
+        exceeds gate · W. None: the backend's default
+        (``pallas_kernels.pipeline.BLOCK_WITNESS_GATE`` on a GPU; kernels in interpret mode
+        add none); 0: whenever the gap is positive; ``inf``: never.
       positive_residual: ``triangle`` (Eq. 6), ``joint`` (Eq. 7), ``grouped``
         (App. A.1) or ``best`` (the minimum of them).
       residual_groups: coordinate groups for ``grouped``/``best``.
@@ -113,8 +124,9 @@ class Config:
     guided_witnesses: int = 0
     guided_sample: int = 8192
     anchor_stride: int = 0
-    block_witnesses: int = 0
+    block_witnesses: Optional[int] = None
     witness_block: int = 64
+    block_witness_gate: Optional[float] = None
     positive_residual: str = "best"
     residual_groups: int = 4
     positive_projection: bool = True
@@ -162,10 +174,13 @@ class Config:
         for name in ("guided_witnesses", "guided_sample", "anchor_stride", "block_witnesses",
                      "witness_block"):
             v = getattr(self, name)
+            if name == "block_witnesses" and v is None:
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 0 or (
                     name in ("guided_sample", "witness_block") and v < 1):
-                bad(name, "must be a non-negative int (guided_sample, witness_block >= 1)")
-        if self.block_witnesses % self.witness_block:
+                bad(name, "must be a non-negative int (guided_sample, witness_block >= 1; "
+                          "block_witnesses may be None)")
+        if self.block_witnesses is not None and self.block_witnesses % self.witness_block:
             bad("block_witnesses", f"must be a multiple of witness_block ({self.witness_block})")
         if not isinstance(self.sink_size, int) or self.sink_size < 0:
             bad("sink_size", "must be an int >= 0")
@@ -191,6 +206,10 @@ class Config:
             v = getattr(self, name)
             if not (isinstance(v, float) and 0.0 < v < 2.0 ** -6):
                 bad(name, "must be a float in (0, 2^-6)")
+        bg = self.block_witness_gate
+        if bg is not None and (isinstance(bg, bool) or not isinstance(bg, (int, float))
+                               or not bg >= 0):
+            bad("block_witness_gate", "must be None or a number >= 0 (inf: never)")
         ds = self.dense_switch
         if ds is not None and (isinstance(ds, bool) or not isinstance(ds, (int, float))
                                or not ds > 0):

@@ -53,3 +53,22 @@ def plan_sample(head_dots, ids, valid, key_norm, k_scale=None) -> PlanSample:
         norms = norms * alpha
         s_valid = valid & enc.scale_is_valid(alpha)
     return PlanSample(p, dots, norms, s_valid)
+
+
+def sample_tau_gap(dots, valid, w, tau, visible, k: int):
+    """Per query, the share of its keys that score ≥ τ beyond its k, as the sample estimates it:
+    max(0, #{sample keys with s ≥ τ} / #sample − min(k, |Ω|) / |Ω|), where a sample key's
+    score s = Σ_h w_h ReLU(q_h·k_i) (Eq. 1) is formed from its head ``dots`` [T, P, H] in score
+    units (the τ-independent part of the planner's sample), ``valid`` [T, P], the head weights
+    ``w`` [T, H], the threshold ``tau`` [T] and the range sizes ``visible`` [T].
+
+    A key scoring ≥ τ survives every upper bound; at τ = τ* only the k winners do. The
+    estimate steers a cost decision (block witnesses), never a bound. 0 where a query sees
+    no key or its sample is empty.
+    """
+    s = jnp.sum(w.astype(jnp.float32)[:, None, :] * jnp.maximum(dots, 0.0), axis=-1)   # [T, P]
+    n = jnp.sum(valid, axis=1)
+    above = jnp.sum(valid & (s >= tau[:, None]), axis=1) / jnp.maximum(n, 1)
+    vis = visible.astype(jnp.float32)
+    floor = jnp.minimum(vis, k) / jnp.maximum(vis, 1.0)
+    return jnp.where((n > 0) & (vis > 0), jnp.maximum(above - floor, 0.0), 0.0)

@@ -53,8 +53,8 @@ def best_blocks(dense_topk, q, k, w, k_scale, lo, hi, config):
     [lo, hi); −1 where fewer blocks are visible. The ranking is ``dense_topk(q, means, w,
     None, lo_b, hi_b, config) -> (indices, scores)``, the backend's dense path over the
     means (bf16 for bf16 or FP8 keys, float32 for float32 keys). None when
-    ``block_witnesses`` is 0."""
-    W, B = config.block_witnesses, config.witness_block
+    ``block_witnesses`` is 0 or None (a backend that decides per call resolves None first)."""
+    W, B = config.block_witnesses or 0, config.witness_block
     if not W:
         return None
     N = k.shape[0]
@@ -80,7 +80,7 @@ def block_key_ids(blocks, block: int, N: int):
 
 def block_witnesses(dense_topk, q, k, w, k_scale, lo, hi, config):
     """Witness ids [T, W] of each query: every key of its :func:`best_blocks` (−1 past the
-    last key and where fewer blocks are visible). None when ``block_witnesses`` is 0."""
+    last key and where fewer blocks are visible). None when ``block_witnesses`` is 0 or None."""
     blocks = best_blocks(dense_topk, q, k, w, k_scale, lo, hi, config)
     if blocks is None:
         return None

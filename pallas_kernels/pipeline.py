@@ -31,7 +31,7 @@ reference pipeline; the seeds are a biased sample (mostly the local window).
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import numpy as np
@@ -44,7 +44,7 @@ from dosa_jax.budget import estimated_survival, sample_survivors
 from dosa_jax.keys import key_summary, scale_fault
 from dosa_jax.planner import build_plan
 from dosa_jax.results import Stats
-from dosa_jax.sample import plan_sample, strided_sample_ids
+from dosa_jax.sample import plan_sample, sample_tau_gap, strided_sample_ids
 from dosa_jax.selection import INT32_MIN, key_to_score, order_key
 from dosa_jax.tiling import round_up_to
 from pallas_kernels import dense as dense_mod
@@ -173,8 +173,44 @@ def default_dense_switch(interpret=None) -> float:
     return float("inf") if interpret else DENSE_SWITCH
 
 
-#: Groups of 4 queries sampled for the call-level decision (strided over the call).
+#: Groups of 4 queries sampled for the call-level decisions (strided over the call).
 SWITCH_SAMPLE_GROUPS = 256
+
+#: Block witnesses per query of a call with ``Config.block_witnesses=None`` that passes the
+#: gate (:func:`block_witness_gate`, :func:`use_block_witnesses`).
+AUTO_BLOCK_WITNESSES = 4096
+#: The gate, in keys per block witness: a call adds W = :data:`AUTO_BLOCK_WITNESSES` block
+#: witnesses when its τ gap (:func:`sampled_tau_gap`: the mean share of a query's keys that
+#: score at or above its seed τ beyond its K, keys that survive whatever the bound only
+#: because τ < τ*) times its mean key range exceeds this many keys per witness, i.e. when
+#: gap > gate · W / range. The keys above τ are what a τ near τ* removes from the
+#: refinement (their count grows with the range); what block witnesses cost is a dense scan
+#: of range / ``witness_block`` block means and seed rows of 2·W more keys per group (per
+#: query, about constant). ``Config.block_witness_gate`` overrides it. The value and the
+#: measurement that chose it: BENCHMARKS.md (matrix, block witnesses).
+BLOCK_WITNESS_GATE = 5.0
+
+
+def block_witness_gate(config, interpret=None) -> float:
+    """The gate of a call with ``Config.block_witnesses=None``: ``config.block_witness_gate``,
+    else :data:`BLOCK_WITNESS_GATE` on the GPU and +inf (no automatic block witnesses) when
+    the kernels are interpreted: like the dense switch, the gate prices the GPU's kernels, and
+    a check in interpret mode should not pay a second seed stage it did not ask for."""
+    if config.block_witness_gate is not None:
+        return float(config.block_witness_gate)
+    if interpret is None:
+        interpret = interpret_default()
+    return float("inf") if interpret else BLOCK_WITNESS_GATE
+
+
+class Witnesses(NamedTuple):
+    """Each group of 4 queries' witness ids for τ, with the call's choice of block witnesses:
+    the seeds take ``ids`` ([G4, W] int32, −1 for none) where ``use_ids`` (a traced scalar
+    bool) holds, else ``plain`` (the same groups' ids without block witnesses, or None)."""
+
+    ids: jax.Array
+    plain: Optional[jax.Array]
+    use_ids: jax.Array
 
 
 def predicted_cost_terms(direct_g, rows_g, use_g, range_g, H: int):
@@ -363,9 +399,12 @@ def dosa_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), split
     Tw = wave_size(T, N) if wave is None else int(min(max(wave, 4), round_up_to(T, 4)))
     if Tw % 4:
         raise ValueError(f"wave must be a multiple of 4, got {wave}")
-    wit, keyside, lo, hi = _call_setup(q, k, w, k_scale, lo, hi, config, tiles, interpret, hint)
     floor = None if tau_floor is None else jnp.asarray(tau_floor, jnp.float32).reshape(T)
-    wave_kw = dict(tiles=tiles, splits=splits, interpret=interpret, keyside=keyside)
+    wave_kw = dict(tiles=tiles, splits=splits, interpret=interpret)
+    setup = _call_setup(q, k, w, k_scale, lo, hi, config, hint, tau_floor=floor, **wave_kw)
+    wit, keyside, lo, hi = setup.witnesses, setup.keyside, setup.lo, setup.hi
+    config = config.replace(block_witnesses=0)   # resolved: the witnesses hold the blocks
+    wave_kw.update(keyside=keyside)
     if return_details or stop_after is not None:
         if Tw < T:
             if return_details:
@@ -386,9 +425,8 @@ def dosa_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), split
               else config.dense_switch)
     if switch == float("inf"):
         return screened(None)
-    ratio = predicted_cost_ratio(
-        predicted_call_terms(q, k, w, k_scale, lo, hi, config, witnesses=wit, tau_floor=floor,
-                             **wave_kw))
+    ratio = predicted_cost_ratio(_switch_terms(q, k, w, k_scale, lo, hi, config, setup,
+                                               tau_floor=floor, **wave_kw))
 
     def dense(_):
         return _dense_call(q, w, k, k_scale, lo, hi, config, tiles=tiles, interpret=interpret,
@@ -398,16 +436,71 @@ def dosa_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), split
     return idx, sc, stats._replace(predicted_cost=jnp.full((T,), ratio, jnp.float32))
 
 
-def _call_setup(q, k, w, k_scale, lo, hi, config, tiles, interpret, hint):
-    """What every wave of a call shares: the witnesses of each group (hints and anchors'
-    Top-K), the key-side operands (once per call) and the int32 ranges."""
-    T = q.shape[0]
+class CallSetup(NamedTuple):
+    """What every wave of a call shares (:func:`_call_setup`): the groups' witnesses (an
+    array [G4, W], None, or :class:`Witnesses` when the call chooses its block witnesses),
+    the key-side operands, the int32 ranges, and, when the gate ran, the plan of the
+    sampled groups without block witnesses (:func:`sampled_plan`) with the call's τ gap."""
+
+    witnesses: object
+    keyside: "KeySide"
+    lo: jax.Array
+    hi: jax.Array
+    plain_plan: Optional[dict] = None
+    tau_gap: Optional[jax.Array] = None
+
+
+def _call_setup(q, k, w, k_scale, lo, hi, config, hint, *, tiles, splits=None, interpret=None,
+                tau_floor=None) -> CallSetup:
+    """The witnesses of each group (hints, anchors' Top-K and block witnesses), the key-side
+    operands (once per call, outside the waves' loop) and the int32 ranges. With
+    ``config.block_witnesses=None`` and a finite :func:`block_witness_gate`, the call's
+    sampled plan without block witnesses decides whether they join
+    (:func:`use_block_witnesses`; the blocks are ranked only when they do)."""
+    T, N = q.shape[0], k.shape[0]
+    lo, hi = lo.astype(jnp.int32), hi.astype(jnp.int32)
+    keyside = key_side(k, k_scale, tiles)
     anchors = anchor_topk(q, k, w, k_scale, lo, hi, config, tiles=tiles, interpret=interpret)
-    blocks = best_blocks(q, k, w, k_scale, lo, hi, config, tiles=tiles, interpret=interpret)
-    wit = group_witnesses(round_up_to(T, 4), hint, anchors, config.anchors(T), blocks=blocks,
-                          block=config.witness_block, n_keys=k.shape[0])
-    keyside = key_side(k, k_scale, tiles)   # once per call, outside the waves' loop
-    return wit, keyside, lo.astype(jnp.int32), hi.astype(jnp.int32)
+    group = lambda blocks: group_witnesses(round_up_to(T, 4), hint, anchors, config.anchors(T),
+                                           blocks=blocks, block=config.witness_block, n_keys=N)
+    gate = block_witness_gate(config, interpret)
+    if config.block_witnesses is not None or not AUTO_BLOCK_WITNESSES or gate == float("inf"):
+        blocks = best_blocks(q, k, w, k_scale, lo, hi, config, tiles=tiles, interpret=interpret)
+        return CallSetup(group(blocks), keyside, lo, hi)
+    plain_cfg = config.replace(block_witnesses=0)
+    plain = group(None)
+    plan = sampled_plan(q, k, w, k_scale, lo, hi, plain_cfg, witnesses=plain,
+                        tau_floor=tau_floor, tiles=tiles, splits=splits, interpret=interpret,
+                        keyside=keyside)
+    gap = sampled_tau_gap(plan)
+    use = use_block_witnesses(gap, sampled_mean_range(plan), gate, AUTO_BLOCK_WITNESSES)
+    cfg_w = config.replace(block_witnesses=AUTO_BLOCK_WITNESSES)
+    m = min(AUTO_BLOCK_WITNESSES // config.witness_block, -(-N // config.witness_block))
+    blocks = lax.cond(use, lambda: best_blocks(q, k, w, k_scale, lo, hi, cfg_w, tiles=tiles,
+                                               interpret=interpret),
+                      lambda: jnp.full((T, m), -1, jnp.int32))
+    return CallSetup(Witnesses(group(blocks), plain, use), keyside, lo, hi, plan, gap)
+
+
+def use_block_witnesses(tau_gap, mean_range, gate: float, W: int):
+    """Whether a call adds ``W`` block witnesses (a traced bool): its τ gap (the share of a
+    query's keys above its seed τ beyond its K) times its mean key range exceeds ``gate``
+    keys per witness: the keys that a τ near τ* would take out of the refinement outnumber
+    ``gate``·W, the cost of ranking the blocks and seeding from 2·W more keys per group."""
+    return tau_gap * mean_range > gate * W
+
+
+def _switch_terms(q, k, w, k_scale, lo, hi, config, setup: CallSetup, *, tau_floor, **wave_kw):
+    """The dense switch's cost terms of the call: from the gate's plain plan when the call
+    goes without block witnesses (no second sampled plan), else from the plan with them."""
+    wit = setup.witnesses
+    full = lambda ids: predicted_call_terms(q, k, w, k_scale, lo, hi, config, witnesses=ids,
+                                            tau_floor=tau_floor, **wave_kw)
+    if setup.plain_plan is None:
+        return full(wit)
+    d = setup.plain_plan
+    plain = predicted_cost_terms(d["direct_g"], d["rows_g"], d["use_g"], d["range_g"], q.shape[1])
+    return lax.cond(wit.use_ids, lambda: full(wit.ids), lambda: plain)
 
 
 def call_cost_terms(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), splits=None,
@@ -415,9 +508,31 @@ def call_cost_terms(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(),
     """:func:`predicted_cost_terms` of a :func:`dosa_topk` call (what its dense switch
     weighs), for calibrating the cost model's constants (``benchmarks`` matrix)."""
     check_tiles(tiles)
-    wit, keyside, lo, hi = _call_setup(q, k, w, k_scale, lo, hi, config, tiles, interpret, hint)
-    return predicted_call_terms(q, k, w, k_scale, lo, hi, config, witnesses=wit, tiles=tiles,
-                                splits=splits, interpret=interpret, keyside=keyside)
+    kw = dict(tiles=tiles, splits=splits, interpret=interpret)
+    setup = _call_setup(q, k, w, k_scale, lo, hi, config, hint, **kw)
+    return _switch_terms(q, k, w, k_scale, setup.lo, setup.hi,
+                         config.replace(block_witnesses=0), setup, tau_floor=None,
+                         keyside=setup.keyside, **kw)
+
+
+def call_block_witness_gate(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(),
+                            splits=None, interpret=None, hint=None):
+    """What the gate of ``Config.block_witnesses=None`` weighs for a call, as float32 [3]:
+    its τ gap without block witnesses (:func:`sampled_tau_gap`), its sampled mean key range
+    and whether :func:`use_block_witnesses` adds them at :func:`block_witness_gate` (``config``'s
+    gate; with none set, the GPU's :data:`BLOCK_WITNESS_GATE` also in interpret mode) —
+    the ``benchmarks`` matrix's columns."""
+    check_tiles(tiles)
+    plain = config.replace(block_witnesses=0)
+    kw = dict(tiles=tiles, splits=splits, interpret=interpret)
+    setup = _call_setup(q, k, w, k_scale, lo, hi, plain, hint, **kw)
+    plan = sampled_plan(q, k, w, k_scale, setup.lo, setup.hi, plain, witnesses=setup.witnesses,
+                        keyside=setup.keyside, **kw)
+    gap, rng = sampled_tau_gap(plan), sampled_mean_range(plan)
+    gate = (BLOCK_WITNESS_GATE if config.block_witness_gate is None
+            else float(config.block_witness_gate))
+    use = use_block_witnesses(gap, rng, gate, AUTO_BLOCK_WITNESSES)
+    return jnp.stack([gap, rng, use.astype(jnp.float32)])
 
 
 def _in_waves(fn, q, k, w, k_scale, lo, hi, config, Tw: int, wit, floor=None):
@@ -429,9 +544,14 @@ def _in_waves(fn, q, k, w, k_scale, lo, hi, config, Tw: int, wit, floor=None):
         return fn(q, k, w, k_scale, lo, hi, config, witnesses=wit, tau_floor=floor)
     n = -(-T // Tw)
     pad = n * Tw - T
-    if wit is not None:      # [G4, W] -> per wave [Tw/4, W] (padded queries: no witnesses)
-        wit = jnp.pad(wit, ((0, n * Tw // 4 - wit.shape[0]), (0, 0)), constant_values=-1)
-        wit = wit.reshape(n, Tw // 4, -1)
+
+    def per_wave(a):      # [G4, W] -> per wave [Tw/4, W] (padded queries: no witnesses)
+        if a is None:
+            return None
+        a = jnp.pad(a, ((0, n * Tw // 4 - a.shape[0]), (0, 0)), constant_values=-1)
+        return a.reshape(n, Tw // 4, -1)
+    use = wit.use_ids if isinstance(wit, Witnesses) else None
+    wit = (per_wave(wit.ids), per_wave(wit.plain)) if use is not None else (per_wave(wit), None)
     padq = lambda a: jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1))
     # padded queries see nothing (empty range): they are answered and dropped
     waves = (padq(q).reshape((n, Tw) + q.shape[1:]), padq(w).reshape((n, Tw) + w.shape[1:]),
@@ -439,29 +559,58 @@ def _in_waves(fn, q, k, w, k_scale, lo, hi, config, Tw: int, wit, floor=None):
              None if floor is None else padq(floor).reshape(n, Tw))
 
     def one(args):
-        qw, ww, low, hiw, ws, fw = args
+        qw, ww, low, hiw, (ws, wp), fw = args
+        ws = ws if use is None else Witnesses(ws, wp, use)
         return fn(qw, k, ww, k_scale, low, hiw, config, witnesses=ws, tau_floor=fw)
 
     out = lax.map(one, waves)
     return jax.tree_util.tree_map(lambda a: a.reshape((n * Tw,) + a.shape[2:])[:T], out)
 
 
-def predicted_call_terms(q, k, w, k_scale, lo, hi, config, *, witnesses, tau_floor=None,
-                         **wave_kw):
-    """:func:`predicted_cost_terms` of the call from the plans of every g-th group of 4
-    queries (about :data:`SWITCH_SAMPLE_GROUPS` groups): their seeds, τ, planner sample,
-    budgets, dense-group rule and predicted survivor unions, as their waves would build them."""
-    T, H = q.shape[0], q.shape[1]
+def sampled_plan(q, k, w, k_scale, lo, hi, config, *, witnesses, tau_floor=None, **wave_kw):
+    """The plans of every g-th group of 4 queries of the call (about
+    :data:`SWITCH_SAMPLE_GROUPS` groups): their seeds, τ, planner sample, budgets, dense-group
+    rule, predicted survivor unions and τ gaps, as their waves would build them (the
+    ``stop_after="plan"`` dict of :func:`_dosa_wave`; queries past T have empty ranges)."""
+    T = q.shape[0]
     G4 = -(-T // 4)
     groups = np.arange(0, G4, max(1, G4 // SWITCH_SAMPLE_GROUPS))
     qi = (groups[:, None] * 4 + np.arange(4)).reshape(-1)
     real = jnp.asarray(qi < T)
     qi = np.minimum(qi, T - 1)
-    wit = None if witnesses is None else witnesses[groups]
-    d = _dosa_wave(q[qi], k, w[qi], k_scale, jnp.where(real, lo[qi], 0),
-                   jnp.where(real, hi[qi], 0), config, stop_after="plan", witnesses=wit,
-                   tau_floor=None if tau_floor is None else tau_floor[qi], **wave_kw)
-    return predicted_cost_terms(d["direct_g"], d["rows_g"], d["use_g"], d["range_g"], H)
+    if isinstance(witnesses, Witnesses):
+        wit = Witnesses(witnesses.ids[groups],
+                        None if witnesses.plain is None else witnesses.plain[groups],
+                        witnesses.use_ids)
+    else:
+        wit = None if witnesses is None else witnesses[groups]
+    return _dosa_wave(q[qi], k, w[qi], k_scale, jnp.where(real, lo[qi], 0),
+                      jnp.where(real, hi[qi], 0), config, stop_after="plan", witnesses=wit,
+                      tau_floor=None if tau_floor is None else tau_floor[qi], **wave_kw)
+
+
+def predicted_call_terms(q, k, w, k_scale, lo, hi, config, *, witnesses, tau_floor=None,
+                         **wave_kw):
+    """:func:`predicted_cost_terms` of the call from its :func:`sampled_plan`."""
+    d = sampled_plan(q, k, w, k_scale, lo, hi, config, witnesses=witnesses, tau_floor=tau_floor,
+                     **wave_kw)
+    return predicted_cost_terms(d["direct_g"], d["rows_g"], d["use_g"], d["range_g"], q.shape[1])
+
+
+def sampled_tau_gap(plan) -> jax.Array:
+    """The call's τ gap from its :func:`sampled_plan`: the mean, over the sampled queries that
+    see keys, of the share of a query's keys scoring ≥ its τ beyond its K, as its planner
+    sample estimates it (0 for a query without τ). Such keys survive any bound; a τ nearer τ*
+    (:data:`AUTO_BLOCK_WITNESSES`) removes them."""
+    seen = plan["range_q"] > 0
+    return jnp.sum(jnp.where(seen, plan["tau_gap_q"], 0.0)) / jnp.maximum(jnp.sum(seen), 1)
+
+
+def sampled_mean_range(plan) -> jax.Array:
+    """The mean key range (hi − lo) of the sampled queries that see keys, float32, from a
+    :func:`sampled_plan`."""
+    r = plan["range_q"].astype(jnp.float32)
+    return jnp.sum(r) / jnp.maximum(jnp.sum(r > 0), 1)
 
 
 def _dense_pass(idx, sc, stats, direct, theta, q, w, k, k_scale, lo, hi, *, K: int,
@@ -672,7 +821,14 @@ def screen_by_budget(plan, budget, classes, agg_cols, agg_w, coef, eps, tau, pru
 def seed_tau_key(ops, lo, hi, config, *, tiles: Tiles, interpret=None, witnesses=None):
     """τ of every query as an order key from its group's seed list (Eq. 2; the layout of
     ``config``'s strategy, then ``witnesses``), scored by the seed kernel with the shared
-    routine. Returns (τ keys [T], eligible seeds [T], seeds per group)."""
+    routine; a :class:`Witnesses` picks its ids or the plain ones by ``lax.cond`` (the other
+    seed stage is compiled, not run). Returns (τ keys [T], eligible seeds [T], seeds per
+    query)."""
+    if isinstance(witnesses, Witnesses):
+        one = lambda wit: seed_tau_key(ops, lo, hi, config, tiles=tiles, interpret=interpret,
+                                       witnesses=wit)
+        return lax.cond(witnesses.use_ids, lambda: one(witnesses.ids),
+                        lambda: one(witnesses.plain))
     S0, a, b = seed_sizes(config)
     lists, lcount, n_seeds = group_seed_lists(lo, hi, ops.q.shape[1] // ops.H, S0, a, b,
                                               tiles.BK, witnesses)
@@ -803,7 +959,10 @@ def _dosa_wave(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles, splits, interp
         rows_g = jnp.max(jnp.pad(rows, (0, Tpad4 - T)).reshape(G4, 4), axis=1)
         _, glo, ghi, _ = group_ranges(jnp.pad(lo, (0, Tpad4 - T)).reshape(G4, 4),
                                       jnp.pad(hi, (0, Tpad4 - T)).reshape(G4, 4))
-        return dict(direct_g=direct_g, rows_g=rows_g, use_g=use, range_g=ghi - glo)
+        return dict(direct_g=direct_g, rows_g=rows_g, use_g=use, range_g=ghi - glo,
+                    range_q=jnp.where(nonempty, hi - lo, 0),
+                    tau_gap_q=jnp.where(prune, sample_tau_gap(sdots, svalid, w, tau, hi - lo, K),
+                                        0.0))
 
     # 3. screen (direct groups see no keys here), one kernel per budget class
     slo = jnp.where(direct, 0, lo)

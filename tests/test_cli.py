@@ -80,6 +80,7 @@ class ArgumentErrorTest(parameterized.TestCase):
         ("abbreviation", ["--ret", "4"], "--ret"),
         ("witnesses_not_blocks", ["--block-witnesses", "100"], "--block-witnesses"),
         ("negative_witnesses", ["--block-witnesses", "-64"], "--block-witnesses"),
+        ("word_witnesses", ["--block-witnesses", "many"], "--block-witnesses"),
     )
     def test_refused_with_status_2_naming_the_option(self, argv, option):
         status, err = run_main(argv)
@@ -92,6 +93,9 @@ class ArgumentErrorTest(parameterized.TestCase):
         (["--data", "gaussian", "--D=64", "--seed", "5"], dict(D=64, seed=5)),
         (["--retained", "31"], dict(retained=31)),
         (["--block-witnesses", "4096"], dict(block_witnesses=4096)),
+        (["--block-witnesses", "0"], dict(block_witnesses=0)),
+        (["--block-witnesses", "auto"], dict(block_witnesses=None)),
+        ([], dict(block_witnesses=None)),
         (["--data", "structured", "--H", "8", "--retained", "7", "--backend", "reference"],
          dict(H=8, retained=7, backend="reference")),
     )
