@@ -306,6 +306,7 @@ def matrix(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
                            dense_share=float(np.mean(np.asarray(st.dense))),
                            cost_terms=None if f_terms is None else
                            [round(float(t), 5) for t in np.asarray(f_terms(*args))])
+                row.update(tau_gap=None, block_witnesses_used=None)   # no gate ran
                 if f_gate is not None:
                     gap, _, used = (float(g) for g in np.asarray(f_gate(*args)))
                     from pallas_kernels.pipeline import AUTO_BLOCK_WITNESSES
