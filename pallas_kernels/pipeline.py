@@ -372,7 +372,8 @@ def dosa_topk(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = Tiles(), split
     them in one scan, before the waves) and their Top-K ids join the witnesses
     (:func:`anchor_topk`, :func:`pallas_kernels.seeds.group_witnesses`); with
     ``config.block_witnesses`` each query's best-ranked key blocks join them
-    (:func:`best_blocks`; a group of 4 takes the keys of its queries' union of blocks).
+    (:func:`best_blocks`; a group of 4 takes the keys of its queries' union of blocks); with
+    ``block_witnesses=None`` the call's gate chooses (:func:`_call_setup`).
 
     ``tau_floor`` [T] float32 (optional): a lower bound on each query's τ* from elsewhere
     (keys on other devices): every threshold — the screen's τ, the refinement's and the
