@@ -46,7 +46,9 @@ CASES = {
     "bytes_tree": "collective bytes of the tree merge equal the formula",
     "gradients": "gradients of the selected scores wrt q, k, w equal the unsharded call's",
     "pallas_mesh4": "4 devices, backend='pallas' (the kernels' local pass with the shared τ "
-                    "floor), a caller hint: bitwise the unsharded pallas topk",
+                    "floor, the block-witness gate on), a caller hint: bitwise the unsharded "
+                    "pallas topk",
+    "pallas_gate": "the block-witness gate fired on every device of the pallas case",
 }
 
 N_KEYS, T, K = 1001, 16, 16
@@ -228,11 +230,17 @@ def _child():
     # with k_scale here: interpret mode re-traces a kernel's masked load of the varying scale
     # slice at lowering, where the varying-axes checks are on again, and fails there.)
     # One case (interpret-mode compiles are slow), screened path only (the dense-call path's
-    # floor: test_pallas_local_pass_with_floor_equals_reference).
-    pcfg = cfg.replace(backend="pallas", dense_switch=float("inf"))
+    # floor: test_pallas_local_pass_with_floor_equals_reference), with the block-witness
+    # gate forced on (gate 0: every device whose sampled τ gap is positive ranks its blocks;
+    # the devices decide apart, inside the shard_map).
+    pcfg = cfg.replace(backend="pallas", dense_switch=float("inf"), block_witness_gate=0.0)
     want_p = jax.jit(lambda q, k, w, lo, hi, hint: dosa_jax.topk(
         q, k, w, lo=lo, hi=hi, config=pcfg, hint=hint))(q, k, w, lo, hi, hint)
-    run("pallas_mesh4", mesh(4), pcfg, hint=hint, expect=want_p)
+    got_p, _ = run("pallas_mesh4", mesh(4), pcfg, hint=hint, expect=want_p)
+    # every device's gate fired: its ≤ 4 blocks of 64 keys made all its visible keys seeds
+    seeds, vis = np.asarray(got_p.stats.seeds), np.asarray(got_p.stats.visible)
+    _report("pallas_gate", np.array_equal(seeds, vis) and vis.sum() > 0,
+            f"seeds {seeds.tolist()} visible {vis.tolist()}")
 
 
 # ---------------------------------------------------------------------------------------
