@@ -441,14 +441,13 @@ class CallSetup(NamedTuple):
     """What every wave of a call shares (:func:`_call_setup`): the groups' witnesses (an
     array [G4, W], None, or :class:`Witnesses` when the call chooses its block witnesses),
     the key-side operands, the int32 ranges, and, when the gate ran, the plan of the
-    sampled groups without block witnesses (:func:`sampled_plan`) with the call's τ gap."""
+    sampled groups without block witnesses (:func:`sampled_plan`)."""
 
     witnesses: object
     keyside: "KeySide"
     lo: jax.Array
     hi: jax.Array
     plain_plan: Optional[dict] = None
-    tau_gap: Optional[jax.Array] = None
 
 
 def _call_setup(q, k, w, k_scale, lo, hi, config, hint, *, tiles, splits=None, interpret=None,
@@ -473,14 +472,14 @@ def _call_setup(q, k, w, k_scale, lo, hi, config, hint, *, tiles, splits=None, i
     plan = sampled_plan(q, k, w, k_scale, lo, hi, plain_cfg, witnesses=plain,
                         tau_floor=tau_floor, tiles=tiles, splits=splits, interpret=interpret,
                         keyside=keyside)
-    gap = sampled_tau_gap(plan)
-    use = use_block_witnesses(gap, sampled_mean_range(plan), gate, AUTO_BLOCK_WITNESSES)
+    use = use_block_witnesses(sampled_tau_gap(plan), sampled_mean_range(plan), gate,
+                              AUTO_BLOCK_WITNESSES)
     cfg_w = config.replace(block_witnesses=AUTO_BLOCK_WITNESSES)
     m = min(AUTO_BLOCK_WITNESSES // config.witness_block, -(-N // config.witness_block))
     blocks = lax.cond(use, lambda: best_blocks(q, k, w, k_scale, lo, hi, cfg_w, tiles=tiles,
                                                interpret=interpret),
                       lambda: jnp.full((T, m), -1, jnp.int32))
-    return CallSetup(Witnesses(group(blocks), plain, use), keyside, lo, hi, plan, gap)
+    return CallSetup(Witnesses(group(blocks), plain, use), keyside, lo, hi, plan)
 
 
 def use_block_witnesses(tau_gap, mean_range, gate: float, W: int):
@@ -579,12 +578,7 @@ def sampled_plan(q, k, w, k_scale, lo, hi, config, *, witnesses, tau_floor=None,
     qi = (groups[:, None] * 4 + np.arange(4)).reshape(-1)
     real = jnp.asarray(qi < T)
     qi = np.minimum(qi, T - 1)
-    if isinstance(witnesses, Witnesses):
-        wit = Witnesses(witnesses.ids[groups],
-                        None if witnesses.plain is None else witnesses.plain[groups],
-                        witnesses.use_ids)
-    else:
-        wit = None if witnesses is None else witnesses[groups]
+    wit = None if witnesses is None else witnesses[groups]     # [G4, W] ids (no Witnesses)
     return _dosa_wave(q[qi], k, w[qi], k_scale, jnp.where(real, lo[qi], 0),
                       jnp.where(real, hi[qi], 0), config, stop_after="plan", witnesses=wit,
                       tau_floor=None if tau_floor is None else tau_floor[qi], **wave_kw)
