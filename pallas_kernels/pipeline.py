@@ -472,8 +472,7 @@ def _call_setup(q, k, w, k_scale, lo, hi, config, hint, *, tiles, splits=None, i
     plan = sampled_plan(q, k, w, k_scale, lo, hi, plain_cfg, witnesses=plain,
                         tau_floor=tau_floor, tiles=tiles, splits=splits, interpret=interpret,
                         keyside=keyside)
-    use = use_block_witnesses(sampled_tau_gap(plan), sampled_mean_range(plan), gate,
-                              AUTO_BLOCK_WITNESSES)
+    _, _, use = gate_decision(plan, gate)
     cfg_w = config.replace(block_witnesses=AUTO_BLOCK_WITNESSES)
     m = min(AUTO_BLOCK_WITNESSES // config.witness_block, -(-N // config.witness_block))
     blocks = lax.cond(use, lambda: best_blocks(q, k, w, k_scale, lo, hi, cfg_w, tiles=tiles,
@@ -490,6 +489,19 @@ def use_block_witnesses(tau_gap, mean_range, gate: float, W: int):
     return tau_gap * mean_range > gate * W
 
 
+def gate_decision(plan, gate: float):
+    """(τ gap, mean key range, use) of a call from its plain :func:`sampled_plan`: whether
+    :func:`use_block_witnesses` adds :data:`AUTO_BLOCK_WITNESSES` at ``gate``."""
+    gap, rng = sampled_tau_gap(plan), sampled_mean_range(plan)
+    return gap, rng, use_block_witnesses(gap, rng, gate, AUTO_BLOCK_WITNESSES)
+
+
+def plan_cost_terms(plan, H: int):
+    """:func:`predicted_cost_terms` from a :func:`sampled_plan`."""
+    return predicted_cost_terms(plan["direct_g"], plan["rows_g"], plan["use_g"], plan["range_g"],
+                                H)
+
+
 def _switch_terms(q, k, w, k_scale, lo, hi, config, setup: CallSetup, *, tau_floor, **wave_kw):
     """The dense switch's cost terms of the call: from the gate's plain plan when the call
     goes without block witnesses (no second sampled plan), else from the plan with them."""
@@ -498,8 +510,7 @@ def _switch_terms(q, k, w, k_scale, lo, hi, config, setup: CallSetup, *, tau_flo
                                             tau_floor=tau_floor, **wave_kw)
     if setup.plain_plan is None:
         return full(wit)
-    d = setup.plain_plan
-    plain = predicted_cost_terms(d["direct_g"], d["rows_g"], d["use_g"], d["range_g"], q.shape[1])
+    plain = plan_cost_terms(setup.plain_plan, q.shape[1])
     return lax.cond(wit.use_ids, lambda: full(wit.ids), lambda: plain)
 
 
@@ -528,10 +539,7 @@ def call_block_witness_gate(q, k, w, k_scale, lo, hi, config, *, tiles: Tiles = 
     setup = _call_setup(q, k, w, k_scale, lo, hi, plain, hint, **kw)
     plan = sampled_plan(q, k, w, k_scale, setup.lo, setup.hi, plain, witnesses=setup.witnesses,
                         keyside=setup.keyside, **kw)
-    gap, rng = sampled_tau_gap(plan), sampled_mean_range(plan)
-    gate = (BLOCK_WITNESS_GATE if config.block_witness_gate is None
-            else float(config.block_witness_gate))
-    use = use_block_witnesses(gap, rng, gate, AUTO_BLOCK_WITNESSES)
+    gap, rng, use = gate_decision(plan, block_witness_gate(config, interpret=False))
     return jnp.stack([gap, rng, use.astype(jnp.float32)])
 
 
@@ -587,9 +595,8 @@ def sampled_plan(q, k, w, k_scale, lo, hi, config, *, witnesses, tau_floor=None,
 def predicted_call_terms(q, k, w, k_scale, lo, hi, config, *, witnesses, tau_floor=None,
                          **wave_kw):
     """:func:`predicted_cost_terms` of the call from its :func:`sampled_plan`."""
-    d = sampled_plan(q, k, w, k_scale, lo, hi, config, witnesses=witnesses, tau_floor=tau_floor,
-                     **wave_kw)
-    return predicted_cost_terms(d["direct_g"], d["rows_g"], d["use_g"], d["range_g"], q.shape[1])
+    return plan_cost_terms(sampled_plan(q, k, w, k_scale, lo, hi, config, witnesses=witnesses,
+                                        tau_floor=tau_floor, **wave_kw), q.shape[1])
 
 
 def sampled_tau_gap(plan) -> jax.Array:
