@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import dosa_jax.backend
 from dosa_jax import synthetic
 from dosa_jax.config import Config
 from dosa_jax.sample import sample_tau_gap
@@ -129,3 +130,28 @@ def test_the_gate_defaults_and_validation():
             Config(block_witness_gate=bad)
     with pytest.raises(ValueError, match="block_witnesses"):
         Config(block_witnesses=-64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not dosa_jax.backend.on_gpu(), reason="needs a GPU")
+def test_gpu_compiled_gate_either_choice_equals_dense_bitwise():
+    """The compiled kernels with the default tiles: the gate forced on, forced off, left to its
+    default and bypassed (plain seeds), with and without the dense switch, all bitwise the dense
+    scan's answer; the forced gate fires (the structured data's τ gap is positive)."""
+    inp = synthetic.structured(T=256, N=65536, H=32, D=128, seed=9, key_dtype="float8_e4m3fn",
+                               query_dtype="bfloat16")
+    args = (inp.q, inp.k, inp.w, inp.k_scale, inp.lo, inp.hi)
+    base = Config(top_k=2048, dense_switch=float("inf"))
+    didx, dsc = jax.jit(lambda *a: pipeline.dense_topk(*a, base))(*args)
+    fired = {}
+    for name, cfg in (("always", base.replace(block_witness_gate=0.0)),
+                      ("never", base.replace(block_witness_gate=1e12)),
+                      ("plain", base.replace(block_witnesses=0)), ("default", base),
+                      ("switch", base.replace(block_witness_gate=0.0,
+                                              dense_switch=pipeline.DENSE_SWITCH))):
+        idx, sc, _ = jax.jit(lambda *a, c=cfg: pipeline.dosa_topk(*a, c))(*args)
+        np.testing.assert_array_equal(np.asarray(idx), np.asarray(didx), err_msg=name)
+        np.testing.assert_array_equal(np.asarray(sc), np.asarray(dsc), err_msg=name)
+        fired[name] = bool(jax.jit(
+            lambda *a, c=cfg: pipeline.call_block_witness_gate(*a, c)[1])(*args))
+    assert fired["always"] and not fired["never"]
