@@ -48,8 +48,9 @@ Budget of the defaults on one H200 (≈ 9 min with start-up, ``--budget-seconds 
 slack terms) once, ≈ 60–100 s; 4 λ × 40 s of steps; per λ ≈ 25 s of measurements
 (coverage at 128K and 1M, eight survival calls at T = 16K, N = 1M), plus ≈ 40 s of
 compilations the first time; timing: 2 λ × 8 indexers × ≈ 6 s plus four compilations.
-A λ is skipped when its steps, the last λ's measurement time and ``timing_reserve``
-no longer fit; a timing row when 15 s no longer do (the chosen λ's rows come first).
+A λ is skipped when its steps, the last λ's measurement time and ``timing_reserve`` (not with
+``--train-only``: no timing stage follows) no longer fit; a timing row when 15 s no longer do
+(the chosen λ's rows come first).
 
 The default λ grid comes from ``--probe`` (CPU, committed model, 8K crop, H = 32):
 ‖∇slack‖ / ‖∇KL‖ ≈ 5.8 at λ = 1 (slack loss 0.36 against KL 0.093;
@@ -360,6 +361,14 @@ def summarize(rows) -> dict:
 
 # ------------------------------------------------------------------------------- the run
 
+def next_lambda_seconds(plan: Plan, trainer, eval_est: float) -> float:
+    """Seconds the next λ still needs: its steps (none with ``--evaluate``), the last λ's
+    measurement time and, unless the run only trains (no timing stage follows),
+    ``timing_reserve``."""
+    steps = 0.0 if trainer is None else trainer.total * trainer.step_seconds
+    return steps + eval_est + (0.0 if plan.train_only else plan.timing_reserve)
+
+
 def run(plan: Plan, out: str, quick: bool) -> Table:
     from dosa_jax.lm import long_context_coverage
     clock = Clock(plan.budget_seconds)
@@ -416,9 +425,7 @@ def run(plan: Plan, out: str, quick: bool) -> Table:
     files, cache = {}, {}
     eval_est = None     # seconds of the last λ's measurements (the first includes compiles)
     for lam in plan.lambdas:
-        if eval_est is not None and not clock.fits(
-                (0.0 if trainer is None else trainer.total * trainer.step_seconds)
-                + eval_est + plan.timing_reserve):
+        if eval_est is not None and not clock.fits(next_lambda_seconds(plan, trainer, eval_est)):
             tab.error(f"λ={lam}: skipped, {clock.elapsed():.0f}s of {plan.budget_seconds:.0f}s "
                       "used")
             continue

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import types
 
 import jax
 import jax.numpy as jnp
@@ -72,6 +73,16 @@ def test_choice_is_the_lowest_survival_within_the_coverage_tolerance():
     assert sf.choose(rows, (0.0, 3.0), 0.005) == (3.0, False)
     assert sf.choose(rows, (0.0, 1.0, 3.0), 0.0001) == (1.0, False)
     assert sf.choose(_rows(0.0, [0.9], [0.5]), (0.0,), 0.005) == (0.0, True)
+
+
+def test_next_lambda_keeps_the_timing_reserve_only_when_timings_follow():
+    """A training-only run spends no seconds on the reserve kept for the timing stage, so
+    a λ whose steps fit the budget is trained."""
+    trainer = types.SimpleNamespace(total=85, step_seconds=2.0)
+    plan = sf.FULL._replace(timing_reserve=60.0)
+    assert sf.next_lambda_seconds(plan, trainer, 25.0) == 170.0 + 25.0 + 60.0
+    assert sf.next_lambda_seconds(plan._replace(train_only=True), trainer, 0.0) == 170.0
+    assert sf.next_lambda_seconds(plan, None, 25.0) == 25.0 + 60.0     # --evaluate
 
 
 def test_bad_lambdas_are_rejected():
