@@ -163,6 +163,12 @@ def base_weights(plan: Plan, out: str):
     return weights, tc
 
 
+def train_preset_indexers(preset: str):
+    """The indexer configs a training preset trains."""
+    from dosa_jax.lm import train
+    return train.PRESETS[preset].indexers
+
+
 def export_and_reload(path: str, weights, indexers, meta: dict):
     """Write the int8 weights file (the LM's arrays copied from the base weights) and read it
     back: what is measured is what the file holds."""
@@ -585,6 +591,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny random model (CPU smoke run)")
     ap.add_argument("--lambdas", default="", help="comma-separated λ (default 0,0.3,1,3)")
     ap.add_argument("--seconds-per-run", type=float, default=None)
+    ap.add_argument("--heads", default="", help="comma-separated indexer widths to train or "
+                    "measure (default: all of the preset's, 32,64)")
     ap.add_argument("--steps", type=int, default=None, help="steps per λ (default: fitted to "
                     "--seconds-per-run from the first run's timed steps)")
     ap.add_argument("--budget-seconds", type=float, default=None)
@@ -614,6 +622,16 @@ def main(argv=None) -> int:
             plan = plan._replace(lambdas=parse_lambdas(a.lambdas))
     except ValueError as e:
         ap.error(str(e))
+    if a.heads:
+        try:
+            heads = tuple(sorted({int(h) for h in a.heads.split(",")}))
+        except ValueError:
+            ap.error(f"--heads must be comma-separated integers, got {a.heads!r}")
+        known = {c.n_heads for c in train_preset_indexers(plan.train_preset)}
+        if not set(heads) <= known:
+            ap.error(f"--heads {a.heads!r}: preset {plan.train_preset} has indexers of "
+                     f"{sorted(known)} heads")
+        plan = plan._replace(heads=heads)
     if a.seconds_per_run is not None:
         if not a.seconds_per_run > 0:
             ap.error(f"--seconds-per-run must be > 0, got {a.seconds_per_run}")

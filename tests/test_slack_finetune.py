@@ -94,6 +94,13 @@ def test_bad_lambdas_are_rejected():
     assert sf.length_label(512) == "512"
 
 
+def test_heads_must_name_the_presets_indexers(tmp_path, capsys):
+    for bad, says in (("32", "has indexers of [4, 8] heads"), ("4,x", "comma-separated integers")):
+        with pytest.raises(SystemExit):
+            sf.main(["--quick", "--heads", bad, "--out", str(tmp_path)])
+        assert says in capsys.readouterr().err
+
+
 def test_train_only_writes_every_lambdas_weights_and_measures_nothing(tmp_path):
     out = str(tmp_path)
     assert sf.main(["--quick", "--train-only", "--out", out]) == 0
