@@ -12,16 +12,18 @@ Presets (shapes, cases, timing counts) are data in :mod:`benchmarks.shapes`; the
 measurements are in :mod:`benchmarks.presets`. Each run writes ``<preset>.md`` and
 ``<preset>.json`` (``--tag`` adds a suffix) to ``--out`` (default ``$OUT``, else
 ``./bench_out``), rewritten after every row. ``--weights`` picks the trained indexers
-(``dosa_jax.datasets.trained(..., weights=...)``): ``committed`` (the default) or ``slack`` (the
-slack-regularised fine-tune, ``dosa_jax/data/lm_weights_slack.npz``); the choice is in the
-table's meta and notes, and a ``slack`` run's file names end in ``slack`` (``--tag``, default
-``slack``, gets ``_slack`` appended unless it says ``slack``).
+(``dosa_jax.datasets.trained(..., weights=...)``): ``committed`` (the default), ``slack`` (the
+slack-regularised fine-tune, ``dosa_jax/data/lm_weights_slack.npz``) or a weights file's path
+(e.g. a slack fine-tune's ``weights_lambda_<λ>.npz``); the choice is in the table's meta and
+notes, and other weights than the committed ones end the file names in their name (``slack``,
+or the file's name: ``--tag``, default that name, gets ``_<name>`` appended unless it holds it).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 from benchmarks.report import log, run_meta
@@ -73,16 +75,27 @@ def parse_cases(spec: str, preset):
     return tuple(out)
 
 
-#: ``--weights`` choices (``dosa_jax.datasets.trained``'s ``weights``).
+#: ``--weights`` names (``dosa_jax.datasets.trained``'s ``weights``); anything else is a path.
 WEIGHTS = ("committed", "slack")
+
+
+def weights_name(weights: str) -> str:
+    """A short name of ``--weights``: ``committed``, ``slack``, or a file's name without its
+    folder and extension, in letters, digits, '.', '_' and '-' (``results/w_l3.npz``: ``w_l3``)."""
+    if weights in WEIGHTS:
+        return weights
+    stem = os.path.splitext(os.path.basename(weights.rstrip("/")))[0]
+    return re.sub(r"[^A-Za-z0-9._-]", "_", stem) or "weights"
 
 
 def weights_tag(tag: str, weights: str) -> str:
     """The output suffix: ``tag`` itself for the committed weights; for any other weights a
-    suffix naming them (``slack`` alone, or ``<tag>_slack`` unless ``tag`` already says so)."""
-    if weights == "committed" or weights in tag:
+    suffix naming them (:func:`weights_name`: ``slack`` alone, or ``<tag>_slack`` unless
+    ``tag`` already says so)."""
+    name = weights_name(weights)
+    if name == "committed" or name in tag:
         return tag
-    return f"{tag}_{weights}" if tag else weights
+    return f"{tag}_{name}" if tag else name
 
 
 def run(argv=None):
@@ -97,9 +110,11 @@ def run(argv=None):
     ap.add_argument("--warmup", type=int, default=None, help="untimed calls first")
     ap.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
     ap.add_argument("--tag", default="", help="suffix of the output file names")
-    ap.add_argument("--weights", default="committed", choices=WEIGHTS,
-                    help="trained indexers: committed (default) or slack (lm_weights_slack.npz); "
-                         "slack runs' file names end in 'slack'")
+    ap.add_argument("--weights", default="committed",
+                    help="trained indexers: committed (default), slack (lm_weights_slack.npz) or "
+                         "a weights file's path (dosa_jax.lm.checkpoint.export_weights, e.g. a "
+                         "slack fine-tune's weights_lambda_<λ>.npz); other than committed, the "
+                         "output names end in the weights' name")
     ap.add_argument("--anchor-stride", type=int, default=0,
                     help="matrix: also time DoSA with Config.anchor_stride=S (0: no variant)")
     ap.add_argument("--block-witnesses", type=int, default=None,

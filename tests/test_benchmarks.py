@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -238,6 +239,21 @@ def test_weights_reach_every_loading_preset(monkeypatch, capsys, tmp_path, tiny_
     assert "benchmarks.slack_finetune" in capsys.readouterr().err and calls == []
     with pytest.raises(SystemExit):
         entry.run(["matrix", "--quick", "--weights", "other", "--out", str(tmp_path)])
+    assert "weights='other': no such file" in capsys.readouterr().err and calls == []
+
+
+def test_weights_file_path_reaches_trained_and_names_the_outputs(monkeypatch, tmp_path,
+                                                                 tiny_weights):
+    path = str(tmp_path / "weights lambda 3.npz")
+    shutil.copyfile(tiny_weights, path)
+    calls = _spy_trained(monkeypatch, fail=True)
+    m = entry.run(["matrix", "--quick", "--weights", path, "--cases", "code0_H4", "--N", "256",
+                   "--tag", "1m_h32", "--out", str(tmp_path)])
+    assert calls == [(path, path)] and "stop after loading" in m.errors[0]
+    assert m.json_path == str(tmp_path / "matrix_1m_h32_weights_lambda_3.json")
+    assert (m.meta["weights"], m.meta["weights_file"]) == (path, path)
+    assert entry.weights_tag("", path) == "weights_lambda_3"
+    assert entry.weights_tag("1m_weights_lambda_3", path) == "1m_weights_lambda_3"
 
 
 def test_witness_timing_loads_the_chosen_weights(monkeypatch, tmp_path, tiny_weights):
