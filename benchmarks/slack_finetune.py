@@ -87,6 +87,7 @@ class Plan(NamedTuple):
 
     train_preset: str = "h200-long"
     heads: Tuple[int, ...] = ()                    # indexers trained (): all of the preset's
+    layer_scale: Tuple[float, ...] = ()            # λ's factor per LM layer (): 1 everywhere
     lambdas: Tuple[float, ...] = (0.0, 0.05, 0.2, 1.0)
     seconds_per_run: float = 40.0
     steps: int = 0                                 # steps per λ (0: fitted to seconds_per_run)
@@ -143,6 +144,8 @@ def base_weights(plan: Plan, out: str):
     tc = train.PRESETS[plan.train_preset]
     if plan.heads:
         tc = dataclasses.replace(tc, indexers=tuple(c for c in tc.indexers if c.n_heads in plan.heads))
+    if plan.layer_scale:
+        tc = dataclasses.replace(tc, slack_layer_scale=plan.layer_scale)
     if plan.train_preset == "tiny":
         lm = init_lm(jax.random.PRNGKey(0), tc.lm)
         ks = jax.random.split(jax.random.PRNGKey(1), len(tc.indexers))
@@ -593,6 +596,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds-per-run", type=float, default=None)
     ap.add_argument("--heads", default="", help="comma-separated indexer widths to train or "
                     "measure (default: all of the preset's, 32,64)")
+    ap.add_argument("--layer-scale", default="", metavar="F0,F1,...",
+                    help="λ's factor per LM layer, e.g. 4,1,1,1 (default: 1 on every layer)")
     ap.add_argument("--steps", type=int, default=None, help="steps per λ (default: fitted to "
                     "--seconds-per-run from the first run's timed steps)")
     ap.add_argument("--budget-seconds", type=float, default=None)
@@ -632,6 +637,13 @@ def main(argv=None) -> int:
             ap.error(f"--heads {a.heads!r}: preset {plan.train_preset} has indexers of "
                      f"{sorted(known)} heads")
         plan = plan._replace(heads=heads)
+    if a.layer_scale:
+        from dosa_jax.lm import train
+        try:
+            tc = train.with_slack_layer_scale(train.PRESETS[plan.train_preset], a.layer_scale)
+        except ValueError as e:
+            ap.error(f"--layer-scale: {e}")
+        plan = plan._replace(layer_scale=tc.slack_layer_scale)
     if a.seconds_per_run is not None:
         if not a.seconds_per_run > 0:
             ap.error(f"--seconds-per-run must be > 0, got {a.seconds_per_run}")

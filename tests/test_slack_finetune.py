@@ -101,6 +101,18 @@ def test_heads_must_name_the_presets_indexers(tmp_path, capsys):
         assert says in capsys.readouterr().err
 
 
+def test_layer_scale_reaches_the_training_config(tmp_path, capsys):
+    for bad, says in (("1", "one finite factor >= 0 per layer (2)"),
+                      ("1,x", "comma-separated numbers")):
+        with pytest.raises(SystemExit):
+            sf.main(["--quick", "--layer-scale", bad, "--out", str(tmp_path)])
+        assert says in capsys.readouterr().err
+    plan = sf.QUICK._replace(layer_scale=(4.0, 0.5))
+    _, tc = sf.base_weights(plan, str(tmp_path))
+    assert tc.slack_layer_scale == (4.0, 0.5)
+    assert sf.base_weights(sf.QUICK, str(tmp_path))[1].slack_layer_scale == ()
+
+
 def test_train_only_writes_every_lambdas_weights_and_measures_nothing(tmp_path):
     out = str(tmp_path)
     assert sf.main(["--quick", "--train-only", "--out", out]) == 0

@@ -13,6 +13,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 
 import dosa_jax
@@ -121,6 +122,45 @@ def test_slack_batch_samples_distillation_queries(setup):
     assert bool(jnp.all(kw["hi"] == pos + 1)) and bool(jnp.all(kw["lo"] == 0))
 
 
-def test_cli_rejects_a_negative_lambda(tmp_path):
+def test_cli_rejects_a_negative_lambda(tmp_path, capsys):
     with pytest.raises(SystemExit):
         train.main(["--preset", "tiny", "--workdir", str(tmp_path), "--slack", "-1"])
+    with pytest.raises(SystemExit):
+        train.main(["--preset", "tiny", "--workdir", str(tmp_path), "--slack", "1",
+                    "--slack-layer-scale", "1,-1"])
+    assert "--slack-layer-scale: slack_layer_scale must hold" in capsys.readouterr().err
+
+
+def test_layer_scales_weight_each_layers_slack_gradient(setup):
+    """The chained regularisers add λ · ∇ slack_objective, whose layer l term is scaled by
+    slack_layer_scale[l]: a factor 0 leaves that layer's updates exactly zero, and the
+    updates are linear in the factors."""
+    lm, params, streams = setup
+    tokens = train.sample_batch(5, 0, streams, TC.idx_batch, TC.seq_len)
+    batch = train.slack_batch(train.frozen_layers(lm, tokens, TC), 0, 0, TC)
+    p = jax.tree_util.tree_map(jnp.array, params)
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, p)
+
+    def added(scale, lam=2.0):
+        tc = dataclasses.replace(TC, slack_layer_scale=scale)
+        chain = optax.chain(*train.slack_regularizers(tc, jnp.float32(lam)))
+        up, _ = chain.update(zeros, chain.init(p), p, batch=batch)
+        grad = jax.grad(lambda q: train.slack_objective(q, batch, tc)[0])(p)
+        return up, grad
+
+    h = str(TC.indexers[0].n_heads)
+    only1, g1 = added((0.0, 1.0))
+    assert all(bool(jnp.all(x == 0)) for x in jax.tree_util.tree_leaves(only1[h][0]))
+    assert any(bool(jnp.any(x != 0)) for x in jax.tree_util.tree_leaves(only1[h][1]))
+    only0, _ = added((1.0, 0.0))
+    mixed, gm = added((3.0, 0.5))
+    for a, b, c, g in zip(*(jax.tree_util.tree_leaves(t) for t in (mixed, only0, only1, gm))):
+        assert jnp.allclose(a, 3.0 * b + 0.5 * c, rtol=1e-5, atol=1e-7)
+        assert jnp.allclose(a, 2.0 * g, rtol=1e-4, atol=1e-6)    # λ · ∇ slack_objective
+    assert train.slack_layer_scales(TC) == (1.0, 1.0)
+    for bad in ((1.0,), (1.0, -1.0), (1.0, float("nan"))):
+        with pytest.raises(ValueError, match="slack_layer_scale"):
+            train.slack_layer_scales(dataclasses.replace(TC, slack_layer_scale=bad))
+    assert train.with_slack_layer_scale(TC, "4, 1").slack_layer_scale == (4.0, 1.0)
+    with pytest.raises(ValueError, match="comma-separated"):
+        train.with_slack_layer_scale(TC, "4,x")

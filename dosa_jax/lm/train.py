@@ -18,7 +18,9 @@ Stages (each resumes from ``W`` if a checkpoint is there):
 
 ``--slack LAMBDA`` adds LAMBDA · ``dosa_jax.slack.slack_loss`` of every indexer
 (on a sample of each step's queries, at the crop length) to the distillation
-KL, through ``optax.chain(dosa_jax.slack.regularizer(...), <optimizer>)``.
+KL, through ``optax.chain(dosa_jax.slack.regularizer(...), <optimizer>)``;
+``--slack-layer-scale 4,1,1,1`` multiplies LAMBDA per LM layer (a layer whose
+certificate needs a stronger push).
 
 ``--weights FILE`` starts from committed weights (skipping stage 1);
 ``--indexer-init`` then fine-tunes their indexers (preset ``h200-long``:
@@ -78,6 +80,7 @@ class TrainConfig:
     slack_seed_size: Optional[int] = 8192  # Config.seed_size of the planner
     slack_temperature: float = 0.1
     slack_margin: float = 0.0
+    slack_layer_scale: Tuple[float, ...] = ()  # λ's factor per LM layer (): 1 on every layer
 
 
 PRESETS = {
@@ -244,13 +247,46 @@ def slack_batch(per_layer, seed: int, step, tc: TrainConfig) -> dict:
     return dict(x=x, positions=jnp.sort(pos).astype(jnp.int32))
 
 
+def slack_layer_scales(tc: TrainConfig) -> Tuple[float, ...]:
+    """λ's factor on each LM layer's slack term: ``tc.slack_layer_scale``, or 1 on every layer
+    when it is empty.
+
+    Raises:
+      ValueError: not one finite factor ≥ 0 per layer (naming ``slack_layer_scale``).
+    """
+    n = tc.lm.n_layers
+    scale = tuple(float(x) for x in tc.slack_layer_scale) or (1.0,) * n
+    if len(scale) != n or not all(np.isfinite(x) and x >= 0 for x in scale):
+        raise ValueError(f"slack_layer_scale must hold one finite factor >= 0 per layer "
+                         f"({n}), got {tc.slack_layer_scale!r}")
+    return scale
+
+
+def with_slack_layer_scale(tc: TrainConfig, spec: str) -> TrainConfig:
+    """``tc`` with ``slack_layer_scale`` parsed from comma-separated factors ("4,1,1,1").
+
+    Raises:
+      ValueError: not a number per layer, or a factor that is negative or not finite.
+    """
+    try:
+        scale = tuple(float(x) for x in spec.split(","))
+    except ValueError:
+        raise ValueError(f"comma-separated numbers expected, got {spec!r}") from None
+    out = dataclasses.replace(tc, slack_layer_scale=scale)
+    slack_layer_scales(out)
+    return out
+
+
 def slack_objective(idx_params: dict, batch: dict, tc: TrainConfig):
-    """Σ over head counts of the layer-mean slack loss (the regularised term, per head count)."""
+    """Σ over head counts of the layer mean of scale_l · slack loss_l (the regularised term
+    per head count; scale_l from :func:`slack_layer_scales`, 1 by default)."""
     from dosa_jax.slack import slack_loss
+    scale = slack_layer_scales(tc)
     out = {}
     for cfg in tc.indexers:
         layers = idx_params[str(cfg.n_heads)]
-        vals = [slack_loss(**slack_inputs(p, batch["x"][li], batch["positions"], cfg, tc))
+        vals = [scale[li] * slack_loss(**slack_inputs(p, batch["x"][li], batch["positions"],
+                                                      cfg, tc))
                 for li, p in enumerate(layers)]
         out[str(cfg.n_heads)] = sum(vals) / len(vals)
     return sum(out.values()), out
@@ -260,32 +296,42 @@ def slack_enabled(tc: TrainConfig, slack_weight=None) -> bool:
     return slack_weight is not None or tc.slack_weight != 0
 
 
-def make_indexer_optimizer(params, tc: TrainConfig, slack_weight=None):
-    """The indexer optimizer: with the slack term enabled, ``optax.chain`` of one
-    ``dosa_jax.slack.regularizer`` per (head count, layer), weight λ / n_layers (the
-    layer mean, like the KL), then :func:`make_optimizer`.
+def slack_regularizers(tc: TrainConfig, slack_weight=None) -> list:
+    """One ``dosa_jax.slack.regularizer`` per (head count, layer), weight λ · scale_l /
+    n_layers (the layer mean, like the KL; scale_l from :func:`slack_layer_scales`, 1 by
+    default): chained, they add λ · ∇ :func:`slack_objective` to the updates.
 
     λ is ``slack_weight`` when given (an array: one compilation serves every λ, and λ = 0
-    leaves the updates bitwise unchanged), else ``tc.slack_weight`` (a static number). The
-    regularisers' ``update`` needs ``batch=`` (:func:`slack_batch`).
+    leaves the updates bitwise unchanged), else ``tc.slack_weight`` (a static number). Their
+    ``update`` needs ``batch=`` (:func:`slack_batch`).
     """
-    base = make_optimizer(params, tc)
-    if not slack_enabled(tc, slack_weight):
-        return base
     from dosa_jax.slack import regularizer
     n = tc.lm.n_layers
-    if slack_weight is None:
-        weight = tc.slack_weight / n
-    else:
-        weight = lambda count: jnp.asarray(slack_weight, jnp.float32) / n
+    scale = slack_layer_scales(tc)
+
+    def layer_weight(li):
+        if slack_weight is None:
+            return tc.slack_weight * scale[li] / n
+        return lambda count: jnp.asarray(slack_weight, jnp.float32) * scale[li] / n
+
     regs = []
     for cfg in tc.indexers:
         for li in range(n):
             def fn(p, batch, cfg=cfg, li=li):
                 return slack_inputs(p[str(cfg.n_heads)][li], batch["x"][li], batch["positions"],
                                     cfg, tc)
-            regs.append(regularizer(fn, weight))
-    return optax.chain(*regs, base)
+            regs.append(regularizer(fn, layer_weight(li)))
+    return regs
+
+
+def make_indexer_optimizer(params, tc: TrainConfig, slack_weight=None):
+    """The indexer optimizer: with the slack term enabled (``slack_weight`` given or
+    ``tc.slack_weight`` ≠ 0), ``optax.chain`` of :func:`slack_regularizers` then
+    :func:`make_optimizer`; else :func:`make_optimizer` alone."""
+    base = make_optimizer(params, tc)
+    if not slack_enabled(tc, slack_weight):
+        return base
+    return optax.chain(*slack_regularizers(tc, slack_weight), base)
 
 
 @partial(jax.jit, static_argnames=("tc",), donate_argnums=(0, 1))
@@ -414,7 +460,8 @@ def train_indexers(tc: TrainConfig, workdir: str, lm_params, *, steps=None, seco
         f"{tc.idx_batch}x{tc.idx_seq_len or tc.seq_len} tokens/step, "
         f"{'last %d query blocks' % tc.idx_tail_blocks if tc.idx_tail_blocks else 'second-half queries'}"
         + (f"; slack regulariser λ={tc.slack_weight}, {tc.slack_queries} queries/step, "
-           f"K={tc.slack_top_k}" if slack_enabled(tc) else ""))
+           f"K={tc.slack_top_k}, per-layer factors {slack_layer_scales(tc)}"
+           if slack_enabled(tc) else ""))
 
     def step_fn(state, step, total):
         p, o = state
@@ -531,12 +578,19 @@ def main(argv=None):
     ap.add_argument("--eval-crops", type=int, default=None)
     ap.add_argument("--slack", type=float, default=None, metavar="LAMBDA",
                     help="indexer stage: add LAMBDA · slack loss (dosa_jax.slack) to the KL")
+    ap.add_argument("--slack-layer-scale", default="", metavar="F0,F1,...",
+                    help="LAMBDA's factor per LM layer, e.g. 4,1,1,1 (default: 1 on every layer)")
     a = ap.parse_args(argv)
     tc = PRESETS[a.preset]
     if a.slack is not None:
         if not (a.slack >= 0 and np.isfinite(a.slack)):
             ap.error(f"--slack must be a finite number >= 0, got {a.slack}")
         tc = dataclasses.replace(tc, slack_weight=float(a.slack))
+    if a.slack_layer_scale:
+        try:
+            tc = with_slack_layer_scale(tc, a.slack_layer_scale)
+        except ValueError as e:
+            ap.error(f"--slack-layer-scale: {e}")
     log(f"jax {jax.__version__} on {jax.devices()[0].platform} ({jax.devices()[0].device_kind}); "
         f"preset {a.preset}")
     t_all = time.time()
