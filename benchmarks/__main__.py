@@ -93,7 +93,7 @@ def weights_tag(tag: str, weights: str) -> str:
     suffix naming them (:func:`weights_name`: ``slack`` alone, or ``<tag>_slack`` unless
     ``tag`` already says so)."""
     name = weights_name(weights)
-    if name == "committed" or name in tag:
+    if weights == "committed" or name in tag:
         return tag
     return f"{tag}_{name}" if tag else name
 

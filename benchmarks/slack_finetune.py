@@ -166,12 +166,6 @@ def base_weights(plan: Plan, out: str):
     return weights, tc
 
 
-def train_preset_indexers(preset: str):
-    """The indexer configs a training preset trains."""
-    from dosa_jax.lm import train
-    return train.PRESETS[preset].indexers
-
-
 def export_and_reload(path: str, weights, indexers, meta: dict):
     """Write the int8 weights file (the LM's arrays copied from the base weights) and read it
     back: what is measured is what the file holds."""
@@ -627,20 +621,21 @@ def main(argv=None) -> int:
             plan = plan._replace(lambdas=parse_lambdas(a.lambdas))
     except ValueError as e:
         ap.error(str(e))
+    from dosa_jax.lm import train
+    preset = train.PRESETS[plan.train_preset]
     if a.heads:
         try:
             heads = tuple(sorted({int(h) for h in a.heads.split(",")}))
         except ValueError:
             ap.error(f"--heads must be comma-separated integers, got {a.heads!r}")
-        known = {c.n_heads for c in train_preset_indexers(plan.train_preset)}
+        known = {c.n_heads for c in preset.indexers}
         if not set(heads) <= known:
             ap.error(f"--heads {a.heads!r}: preset {plan.train_preset} has indexers of "
                      f"{sorted(known)} heads")
         plan = plan._replace(heads=heads)
     if a.layer_scale:
-        from dosa_jax.lm import train
         try:
-            tc = train.with_slack_layer_scale(train.PRESETS[plan.train_preset], a.layer_scale)
+            tc = train.with_slack_layer_scale(preset, a.layer_scale)
         except ValueError as e:
             ap.error(f"--layer-scale: {e}")
         plan = plan._replace(layer_scale=tc.slack_layer_scale)
