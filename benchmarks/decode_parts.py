@@ -23,6 +23,10 @@ of ``--repeats`` calls after warm-up):
   ``best_witnesses`` (a sort of the pool);
 * ``screen splits=S``: the screen with S key splits per sequence (the default:
   ``default_splits``);
+* ``screen fp8 x fp8 MMA, not certified``: the screen with the query rounded to FP8 and an
+  fp8 × fp8 MMA instead of widening each key to bf16 in registers — a timing study of that
+  widening and MMA (``screen_records(fp8_mma=True)``: its margin does not cover the rounding,
+  so no step uses it), with its records per query beside the certified screen's;
 * ``screen BK=… warps=… stages=…``: the screen at other tiles, Triton warps and pipeline
   stages (the default: ``SCREEN_KEY_TILE`` and the scan's ``Tiles``);
 * ``overflow update``: the same from all records (``record_witnesses``, the overflow path);
@@ -154,6 +158,11 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
         jax.tree.leaves(f_select_sorted(ck, cids, wk, wids))))
     for S in (x for x in (16, 32, 64, 128, 256, 512) if x <= N // screen_tile):
         variants.append((f"screen splits={S}", screen_variant(splits=S), screen_args))
+    if k.dtype == jnp.float8_e4m3fn:   # what an fp8 × fp8 MMA would save (not certified)
+        f = screen_variant(fp8_mma=True)
+        recorded = float(jnp.mean(jnp.sum(f(*screen_args)[2], axis=1)))
+        variants.append((f"screen fp8 x fp8 MMA, not certified ({recorded:.0f} recorded/query)",
+                         f, screen_args))
     parts = [("step", step, (qs[3], ws[3], ls[3], k, s, st)),
              ("witness", f_wit, (q, w, k, s, ids, n)),
              ("screen", f_screen, (q, w, k, s, theta, n)),

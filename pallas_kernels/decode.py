@@ -86,7 +86,8 @@ SCREEN_MAX_SPLITS = 512
 
 def _scan_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, BK: int, H: int, S: int, C: int, K: int,
                  page: int, max_pages: int, has_scale: bool, pairs, lane_sums: bool,
-                 interpret: bool, contiguous: bool, BQ: int, screen: bool, norm_bound):
+                 interpret: bool, contiguous: bool, BQ: int, screen: bool, norm_bound,
+                 fp8_mma: bool = False):
     # contiguous keys: sequence b's rows start at b·page (one page each), no table lookups
     q_refs, (w_ref, hi_ref, th_ref, pt_ref) = refs[:Pq], refs[Pq:Pq + 4]
     k_refs = refs[Pq + 4:Pq + 4 + Pk]
@@ -118,7 +119,7 @@ def _scan_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, BK: int, H: int, S: int,
         kp = [k_ref[pl.ds(row0, BK), :] for k_ref in k_refs]
         scale = sc_ref[pl.ds(row0, BK)] if has_scale else jnp.ones((BK,), jnp.float32)
         sc = score_tile(qp, wv, kp, scale, BQ=BQ, H=H, pairs=pairs, layout=tiles.layout,
-                        lane_sums=lane_sums)
+                        lane_sums=lane_sums, fp8_mma=fp8_mma)
         if screen:
             sc = screen_upper(sc, kp[0], scale, coef, norm_bound)
         return sc, ids
@@ -205,15 +206,17 @@ def screen_margin_coefficient(q, w, k_dtype):
 
 @functools.partial(jax.jit, static_argnames=("K", "S", "C", "BK", "page", "tiles", "H", "pairs",
                                              "lane_sums", "interpret", "contiguous", "slots",
-                                             "norm_bound"))
+                                             "norm_bound", "fp8_mma"))
 def decode_scan(q, w, hi, theta0, page_table, k, scale, coef=None, *, K, S, C, BK, page, tiles,
-                H, pairs, lane_sums, interpret, contiguous=False, slots=SLOTS, norm_bound=None):
+                H, pairs, lane_sums, interpret, contiguous=False, slots=SLOTS, norm_bound=None,
+                fp8_mma=False):
     """The scan kernel over each sequence's keys for its ``slots`` query slots.
 
     ``coef`` None: the canonical scores (the dense kernel's 4-slot tile) from thresholds
     ``theta0``, with compaction (:func:`pallas_kernels.records.scan_tiles`). ``coef`` [T]:
     the screen — each key's upper bound (:func:`screen_upper`) against ``theta0``, no
-    compaction; ``appended > C`` marks a buffer that overflowed."""
+    compaction; ``appended > C`` marks a buffer that overflowed. ``fp8_mma``: FP8 query and
+    key pieces multiplied fp8 × fp8 (:func:`screen_records`' timing study only)."""
     T = hi.shape[0]
     B = T // slots
     size = T * S * C
@@ -223,7 +226,7 @@ def decode_scan(q, w, hi, theta0, page_table, k, scale, coef=None, *, K, S, C, B
                              S=S, C=C, K=K, page=page, max_pages=page_table.shape[1],
                              has_scale=has_scale, pairs=pairs, lane_sums=lane_sums,
                              interpret=interpret, contiguous=contiguous, BQ=slots,
-                             screen=screen, norm_bound=norm_bound)
+                             screen=screen, norm_bound=norm_bound, fp8_mma=fp8_mma)
     i32 = jnp.int32
     out_shape = (jax.ShapeDtypeStruct((size,), i32), jax.ShapeDtypeStruct((size,), i32),
                  jax.ShapeDtypeStruct((T * S,), i32), jax.ShapeDtypeStruct((T * S,), i32))
@@ -463,22 +466,36 @@ def witness_threshold(prep: Prepared, ids, lengths, M: int, K: int, *, interpret
 
 def screen_records(prep: Prepared, q, w, theta, lengths, K: int, *, splits=None,
                    interpret=None, key_tile: int = SCREEN_KEY_TILE, norm="auto",
-                   warps: int = 0, stages: int = 0):
+                   warps: int = 0, stages: int = 0, fp8_mma: bool = False):
     """The screen (one query slot per sequence, M = 1): record buffers of the keys whose upper
     bound clears ``theta`` [B] (order keys of the bounds and ids [B, S, C]; counts ≤ C and
     appended [B, S]; appended > C: that buffer overflowed). The upper bounds are ≥ the
     canonical scores, so every key whose canonical score clears ``theta`` is recorded unless
     a buffer overflowed. ``warps``, ``stages``: the kernel's Triton warps and pipeline stages
     (0: the scan's, ``prep.tiles``); the bound holds for any (its margin covers any scorer's
-    summation order)."""
+    summation order).
+
+    ``fp8_mma`` is a timing study, never a step's screen: the query rounded to FP8 (clipped
+    to its finite range) and multiplied fp8 × fp8 on the tensor cores, without the in-kernel
+    widening of the keys to bf16. The margin does not cover the query's rounding nor FP8
+    accumulation, so those records are **not** certified (``benchmarks.decode_parts``
+    measures what such an MMA would save). It needs FP8 keys.
+    """
+    if fp8_mma and jnp.dtype(prep.kp.dtype) != FP8:
+        raise ValueError(f"screen_records(fp8_mma=True) needs FP8 keys, got {prep.kp.dtype}")
     if interpret is None:
         interpret = interpret_default()
     B = prep.page_table.shape[0]
     BK = scan_tile(prep.page, key_tile)
     S, C = screen_layout(B, prep.page * prep.page_table.shape[1] // BK, K, BK, splits)
     nb = payload_norm_bound(prep.kp.dtype, prep.kp.shape[2]) if norm == "auto" else norm
-    ops = prepare_operands(q[:, 0], w[:, 0], None, None, 1, jnp.bfloat16, "kc", widen_fp8=False,
-                           lane_sums=False, keys=(prep.kp, jnp.ones((1,), jnp.float32)))
+    qs = q[:, 0]
+    if fp8_mma:
+        big = float(jnp.finfo(FP8).max)
+        qs = jnp.clip(qs.astype(jnp.float32), -big, big).astype(FP8)
+    ops = prepare_operands(qs, w[:, 0], None, None, 1, FP8 if fp8_mma else jnp.bfloat16, "kc",
+                           widen_fp8=False, lane_sums=False,
+                           keys=(prep.kp, jnp.ones((1,), jnp.float32)))
     coef = screen_margin_coefficient(q[:, 0], w[:, 0], prep.kp.dtype)
     return decode_scan(ops.q, ops.w, lengths.astype(jnp.int32), theta, prep.page_table, prep.kp,
                        prep.scale, coef, K=K, S=S, C=C, BK=BK, page=prep.page,
@@ -486,7 +503,7 @@ def screen_records(prep: Prepared, q, w, theta, lengths, K: int, *, splits=None,
                                                  num_stages=stages or prep.tiles.num_stages),
                        H=ops.H, pairs=ops.pairs, lane_sums=False,
                        interpret=interpret, contiguous=prep.contiguous, slots=1,
-                       norm_bound=nb)
+                       norm_bound=nb, fp8_mma=ops.fp8_mma)
 
 
 def gather_candidates(ri, cnt, capacity: int):

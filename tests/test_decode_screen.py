@@ -203,9 +203,38 @@ def test_decode_parts_benchmark_runs_on_cpu(tmp_path):
     assert sum(p.startswith("screen BK=") and "warps=" not in p for p in parts) == 6
     assert sum(p.startswith("screen BK=") and "warps=" in p for p in parts) == 12
     assert {"screened select", "screened select, sorted pool", "screen splits=16"} <= set(parts)
+    assert sum(p.startswith("screen fp8 x fp8 MMA, not certified") for p in parts) == 1
     assert any("sorted pool" in n and "bitwise" in n for n in saved["notes"])
     assert all(r["ms"] > 0 for r in saved["rows"])
     assert (tmp_path / "decode_parts.md").exists()
+
+
+def test_fp8_mma_screen_study_is_the_screen_on_queries_exact_in_fp8():
+    """The timing study's fp8 × fp8 screen (``screen_records(fp8_mma=True)``) computes the
+    screen's function: on integer queries and keys (every product and sum exact, so any
+    summation order agrees) it records the same keys with the same bounds as the certified
+    screen. Keys other than FP8 are refused."""
+    rng = np.random.default_rng(5)
+    B, N = 2, 256
+    k = jnp.asarray(rng.integers(-4, 5, size=(B, N, D)), jnp.float8_e4m3fn)
+    s = jnp.asarray(2.0 ** rng.integers(-2, 3, size=(B, N)), jnp.float32)
+    q = jnp.asarray(rng.integers(-2, 3, size=(B, 1, H, D)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(B, 1, H)), jnp.float32)
+    lengths = jnp.array([N, 200], jnp.int32)
+    prep = kd.prepare(q, w, k, s, None)
+    theta = jnp.full((B,), kd.THETA_NONE, jnp.int32)
+    got = [kd.screen_records(prep, q, w, theta, lengths, N, splits=2, interpret=True,
+                             fp8_mma=f) for f in (False, True)]
+    keys = [_all_keys(rk, ri, cnt, range(B), N) for rk, ri, cnt, _ in got]
+    assert (keys[0] != np.iinfo(np.int32).min).sum() == N + 200
+    np.testing.assert_array_equal(keys[0], keys[1])
+    q3 = q * jnp.bfloat16(1.0 + 2.0 ** -6)      # exact in bf16, rounded in FP8 (3 bits)
+    got = [kd.screen_records(kd.prepare(q3, w, k, s, None), q3, w, theta, lengths, N, splits=2,
+                             interpret=True, fp8_mma=f)[:3] for f in (False, True)]
+    assert not np.array_equal(*(_all_keys(*g, range(B), N) for g in got))   # the study rounds
+    bf = kd.prepare(q, w, k.astype(jnp.bfloat16), None, None)
+    with pytest.raises(ValueError, match="needs FP8 keys"):
+        kd.screen_records(bf, q, w, theta, lengths, N, interpret=True, fp8_mma=True)
 
 
 @pytest.mark.parametrize("K,n", [(16, 40), (16, 8), (24, 24)])
