@@ -24,7 +24,8 @@
 # <preset>.md / <preset>.json (rewritten after every row: a killed stage keeps its rows).
 # Set DOSA_COMMIT=<sha> when the device copy has no usable git metadata. MATRIX_ARGS adds
 # options to the matrix stages (e.g. --cases code2_H32,prose1_H64, or --survivor-cost 2: DoSA at
-# that κ timed beside the default).
+# that κ timed beside the default, or --weights PATH: the indexers of any weights file, e.g. a
+# slack fine-tune's, the output names ending in the file's name).
 set -o pipefail
 OUT=${OUT:-bench_out}
 mkdir -p "$OUT"
