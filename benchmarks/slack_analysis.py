@@ -25,12 +25,16 @@ those keys a bound without that term would reject (U^num − term < τ).
     python -m benchmarks.slack_analysis --domain code --layers 0,1 --length 131072 --queries 16 \
         --budgets auto,p4,p8,p12,p16,p20,p24,p31,16,24 --out /tmp/slack_code01.json
     python -m benchmarks.slack_analysis --report /tmp/slack_code01.json ...   # markdown tables
+
+``--weights`` (``committed``, ``slack`` or a weights file's path) and ``--heads`` pick the
+indexers (``datasets.trained``); rows of other weights or widths are labelled in the report.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import jax
@@ -143,10 +147,19 @@ def summarise(a, S, tau_star, H):
     return out
 
 
+def layer_label(r) -> str:
+    """A row's layer, with its indexer width and weights when not H = 32 of the committed
+    weights (rows of several weights files or widths side by side)."""
+    extra = [f"H={r['heads']}"] if r.get("heads", 32) != 32 else []
+    if r.get("weights", "committed") != "committed":
+        extra.append(os.path.basename(r["weights"]))
+    return f"{r['layer']}" + (f" ({', '.join(extra)})" if extra else "")
+
+
 def report(paths):
     """Markdown tables from the JSON files written by ``main``."""
     rows = [r for p_ in paths for r in json.load(open(p_))]
-    rows.sort(key=lambda r: (r["domain"], r["layer"]))
+    rows.sort(key=lambda r: (r["domain"], r["layer"], r.get("heads", 32), r.get("weights", "")))
     pct = lambda x: f"{100 * x:.1f}"
     out = ["Survivors at the default config (automatic budget), split by score; % of screened keys:", "",
            "| domain | layer | survival | pruned | s ≥ τ* (Top-K) | τ ≤ s < τ* (seed deficit) | s < τ (slack) "
@@ -155,7 +168,7 @@ def report(paths):
     for r in rows:
         c = r["configs"]["r=auto"]
         hp = [int(k) for k in c["n_pos_heads"]]
-        out.append(f"| {r['domain']} | {r['layer']} | {pct(c['survival'])} | {pct(1 - c['survival'])} | "
+        out.append(f"| {r['domain']} | {layer_label(r)} | {pct(c['survival'])} | {pct(1 - c['survival'])} | "
                    f"{pct(c['survival_top'])} | {pct(c['survival_seed_deficit'])} | {pct(c['survival_slack'])} | "
                    f"{pct(c['survival_at_tau_star'])} | "
                    + ", ".join(f"{k}: {v}" for k, v in c["budget"].items())
@@ -167,7 +180,7 @@ def report(paths):
     for r in rows:
         c = r["configs"]["r=auto"]
         sh, rw = c["slack_share"], c["rejected_without"]
-        out.append(f"| {r['domain']} | {r['layer']} | {sh['pos']:.2f} / {rw['pos']:.2f} | {sh['unc']:.2f} / "
+        out.append(f"| {r['domain']} | {layer_label(r)} | {sh['pos']:.2f} / {rw['pos']:.2f} | {sh['unc']:.2f} / "
                    f"{rw['unc']:.2f} | {sh['canc']:.2f} / {rw['canc']:.2f} | {sh['unc'] + sh['canc']:.2f} / "
                    f"{rw['unc+canc']:.2f} | {sh['num']:.3f} / {rw['num']:.2f} |")
     budgets = [k for k in rows[0]["configs"] if "strided p" in k]
@@ -178,7 +191,7 @@ def report(paths):
              + f" | {last_head} |", "| --- | --- | --- |" + " --- |" * len(budgets) + " --- |"]
         for r in rows:
             cs = r["configs"]
-            t.append(f"| {r['domain']} | {r['layer']} | {cell(cs['r=auto'])} | "
+            t.append(f"| {r['domain']} | {layer_label(r)} | {cell(cs['r=auto'])} | "
                      + " | ".join(cell(cs[b]) for b in budgets) + f" | {last_cell(cs['r=auto'])} |")
         return t
 
@@ -203,7 +216,7 @@ def report(paths):
                 for c in (cs[k], cs.get(ks)):
                     cells.append("–" if c is None else
                                  f"{pct(c['survival'])} / {c['slack_share'].get('unc', 0):.2f}")
-            out.append(f"| {r['domain']} | {r['layer']} | " + " | ".join(cells) + " |")
+            out.append(f"| {r['domain']} | {layer_label(r)} | " + " | ".join(cells) + " |")
     extra = [k for k in rows[0]["configs"] if k.startswith("auto+")]
     if extra:
         out += ["", "Seed variants at the automatic budget: survival % / seed-deficit survivors % / slack "
@@ -213,7 +226,7 @@ def report(paths):
             cs = r["configs"]
             cell = lambda c: (f"{pct(c['survival'])} / {pct(c['survival_seed_deficit'])} / "
                               f"{pct(c['survival_slack'])}")
-            out.append(f"| {r['domain']} | {r['layer']} | {cell(cs['r=auto'])} | "
+            out.append(f"| {r['domain']} | {layer_label(r)} | {cell(cs['r=auto'])} | "
                        + " | ".join(cell(cs[k]) for k in extra) + " |")
     return "\n".join(out)
 
@@ -229,6 +242,9 @@ def main(argv=None):
                    help="'auto', r (Config(retained_heads=r): p_h from the seeds) or pR "
                         "(budget R with the automatic budget's strided-sample p_h)")
     p.add_argument("--extra", default="guided,seed8k", help="seed variants at the auto budget")
+    p.add_argument("--heads", type=int, default=32, help="indexer width H (32 or 64)")
+    p.add_argument("--weights", default="committed",
+                   help="datasets.trained weights: committed, slack or a weights file's path")
     p.add_argument("--out")
     p.add_argument("--report", nargs="+", help="print markdown tables from these JSON files and exit")
     a = p.parse_args(argv)
@@ -254,13 +270,15 @@ def main(argv=None):
     dense = jax.jit(dosa_jax.dense_topk, static_argnames=("config",))
     for layer in [int(x) for x in a.layers.split(",")]:
         t0 = time.time()
-        inp = datasets.trained(a.domain, layer, length=a.length, num_queries=a.queries)
+        inp = datasets.trained(a.domain, layer, length=a.length, num_queries=a.queries,
+                               heads=a.heads, weights=a.weights)
         kw = inp.as_kwargs()
         H = inp.q.shape[1]
         t_gen = time.time() - t0
         S = np.asarray(score(**kw, config=base))
         tau_star = np.asarray(dense(**kw, config=base).scores)[:, -1]
-        row = dict(domain=a.domain, layer=layer, N=a.length, T=a.queries, K=a.K, H=H,
+        row = dict(domain=a.domain, layer=layer, heads=H, weights=a.weights, N=a.length,
+                   T=a.queries, K=a.K, H=H,
                    generate_s=round(t_gen, 1), tau_star=tau_star.tolist(), configs={})
         for name, (cfg, fixed_r) in cfgs.items():
             t1 = time.time()
@@ -278,9 +296,11 @@ def main(argv=None):
                   + " | rejected w/o " + " ".join(f"{t}={v:.2f}" for t, v in summ["rejected_without"].items())
                   + f" [{summ['seconds']}s]", flush=True)
         results.append(row)
-        with open(a.out, "w") as f:
-            json.dump(results, f, indent=1)
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(results, f, indent=1)
         print(f"{a.domain} L{layer}: {time.time() - t0:.0f}s total (generate {t_gen:.0f}s)", flush=True)
+    return results
 
 
 if __name__ == "__main__":

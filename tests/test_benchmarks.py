@@ -296,3 +296,24 @@ def test_block_witness_study_rows_and_survivor_cost(tmp_path):
     assert 0 <= wit["gap_closed"] <= 1 and 0 < perfect["survival"] <= 1
     md = (tmp_path / "block_witnesses.md").read_text()
     assert "survivor cost κ: 3" in md and "| code1 (N=16384, T=4) |" in md
+
+
+def test_slack_analysis_on_a_weights_file(tmp_path, tiny_weights, capsys):
+    """``benchmarks.slack_analysis`` with ``--weights``/``--heads``: rows name the indexers, the
+    survival split adds up, a fixed budget is the budget used, and the report labels them."""
+    from benchmarks import slack_analysis
+    out = tmp_path / "sa.json"
+    rows = slack_analysis.main(["--layers", "0", "--length", "512", "--queries", "4", "--K", "16",
+                                "--budgets", "auto,2", "--extra", "", "--heads", "4",
+                                "--weights", tiny_weights, "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(rows))
+    (row,) = rows
+    assert (row["heads"], row["weights"], row["layer"]) == (4, tiny_weights, 0)
+    assert set(row["configs"]) == {"r=auto", "r=2 (seed p)"}
+    for c in row["configs"].values():
+        parts = c["survival_top"] + c["survival_seed_deficit"] + c["survival_slack"]
+        assert 0 < c["survival"] <= 1 and math.isclose(parts, c["survival"], abs_tol=1e-9)
+    assert {int(r) for r in row["configs"]["r=2 (seed p)"]["budget"]} == {2}
+    capsys.readouterr()
+    slack_analysis.main(["--report", str(out)])
+    assert "| code | 0 (H=4, lm_weights_slack.npz) |" in capsys.readouterr().out
