@@ -102,9 +102,10 @@ def bitwise_equal(a_idx, a_sc, b_idx, b_sc) -> bool:
 
 
 def stats_summary(stats) -> Dict[str, float]:
-    """Survival (survivors / visible, all queries), the median τ/τ* over queries with τ* > 0, and
-    the shares of queries whose candidate lists overflowed, that were rescanned after a
-    fault, and that were answered by the dense pass (the cost model's missing terms)."""
+    """Survival (survivors / visible, all queries), the median τ/τ* over queries with τ* > 0, the
+    mean retained-head budget r, and the shares of queries whose candidate lists overflowed,
+    that were rescanned after a fault, and that were answered by the dense pass (the cost
+    model's missing terms)."""
     surv = np.asarray(stats.survivors, np.float64)
     vis = np.asarray(stats.visible, np.float64)
     tau = np.asarray(stats.tau_seed, np.float64)
@@ -115,7 +116,8 @@ def stats_summary(stats) -> Dict[str, float]:
                 recovery_share=float(np.mean(np.asarray(stats.recoveries) > 0)),
                 dense_share_screened=float(np.mean(np.asarray(stats.dense))),
                 tau_over_tau_star=float(np.median(tau[ok] / tstar[ok])) if ok.any() else None,
-                tau_star_positive=float(np.mean(tstar > 0)))
+                tau_star_positive=float(np.mean(tstar > 0)),
+                budget=float(np.mean(np.asarray(stats.budget, np.float64))))
 
 
 def bound_floor(inp, scores_dense, tau_seed, cfg, K: int, queries: int) -> Dict[str, float]:
@@ -254,7 +256,7 @@ def matrix(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
             ("recovery_share", "screened: queries rescanned"),
             ("dense_share_screened", "screened: queries in the dense pass"),
 
-            ("survival", "survival (τ)"), ("tau_over_tau_star", "τ/τ*"),
+            ("survival", "survival (τ)"), ("budget", "mean r"), ("tau_over_tau_star", "τ/τ*"),
             ("survival_sub_tau", "sub: survival (τ)"),
             ("survival_sub_tau_star", "sub: survival (τ*)"), ("floor_exact", "floor K/|Ω|"),
             ("slack_pos", "δ_P"), ("slack_unc", "uncov. neg."), ("slack_canc", "cancel."),
@@ -271,13 +273,13 @@ def matrix(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
     at = [c for c, _ in cols].index("cost_terms") + 1
     for name, label, _ in reversed(variants):
         cols[at:at] = [(f"{name}_ms", f"DoSA, {label}, ms"), (f"dense_over_{name}", f"dense/{name}"),
-                       (f"{name}_survival", f"{name} survival"),
+                       (f"{name}_survival", f"{name} survival"), (f"{name}_budget", f"{name} mean r"),
                        (f"{name}_tau_over_tau_star", f"{name} τ/τ*")]
     tab = Table("matrix", f"Matrix: T={p.T} causal, K={p.K}, FP8 keys, Config(backend='auto')",
                 cols, out, meta, summary=matrix_summary, notes=[
                     f"median of {repeats} timed calls after {warmup} warm-up, each case's "
                     "DoSA and dense in the same process",
-                    "survival (τ), τ/τ*: all T queries, from the always-screened DoSA's stats (τ/τ* median where τ* > 0); predicted DoSA/dense: the call-level switch's prediction (Config.dense_switch)",
+                    "survival (τ), mean r, τ/τ*: all T queries, from the always-screened DoSA's stats (τ/τ* median where τ* > 0; mean r: the retained-head budget, each variant's from its own call); predicted DoSA/dense: the call-level switch's prediction (Config.dense_switch)",
                     f"sub: columns and the slack means (Eq. 14, score units, mean over screened "
                     f"keys) on {p.bound_queries} queries strided over the T (the certificate "
                     "evaluated per key by the reference planner)",
@@ -330,6 +332,7 @@ def matrix(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
                     row.update({f"{name}_ms": t_var.seconds * 1e3,
                                 f"dense_over_{name}": t_dense.seconds / t_var.seconds,
                                 f"{name}_survival": vsum["survival"],
+                                f"{name}_budget": vsum["budget"],
                                 f"{name}_tau_over_tau_star": vsum["tau_over_tau_star"]})
                     del vi, vsc
                 log(f"[matrix] {case.name} N={N}: timed DoSA {row['dosa_ms']:.1f} ms, dense "

@@ -472,8 +472,7 @@ def run(plan: Plan, out: str, quick: bool) -> Table:
                     inp = longc.inputs(wl, h, layer, plan.T)
                     cache[(lam, h, layer)] = inp        # the timing stage reuses it
                     _, _, st = f_screened(*args_of(strided(inp, stride)))
-                    row.update(stats_summary(st), budget=float(np.mean(np.asarray(st.budget))),
-                               work=screening_work(st, h))
+                    row.update(stats_summary(st), work=screening_work(st, h))
                     del st
                     tab.add(row)
                     clock.log(f"λ={lam} H={h} layer {layer}: KL {row['kl_heldout']:.4f} survival "

@@ -64,12 +64,14 @@ def test_matrix_geometric_mean_from_its_rows(tables):
         assert got == pytest.approx(float(np.exp(np.mean(np.log(ratios)))), rel=1e-12)
         assert f"({len(ratios)} cases)" in label
     for name in ("blockwit", "kappa"):
-        assert {f"{name}_ms", f"dense_over_{name}", f"{name}_survival",
+        assert {f"{name}_ms", f"dense_over_{name}", f"{name}_survival", f"{name}_budget",
                 f"{name}_tau_over_tau_star"} <= set(_columns(tab))
     for r in tab.rows:
         assert set(_columns(tab)) <= set(r), set(_columns(tab)) - set(r)
         assert r["dosa_eq_dense"] is True       # every variant's answer too
         assert 0 < r["blockwit_survival"] <= 1 and 0 < r["kappa_survival"] <= 1
+        H = int(r["case"].split("_H")[1])      # mean retained heads: 1 ≤ r ≤ H
+        assert all(1 <= r[k] <= H for k in ("budget", "blockwit_budget", "kappa_budget"))
         for name in ("blockwit", "kappa"):      # the variant's own τ, never above τ*
             t = r[f"{name}_tau_over_tau_star"]
             assert t is None or t <= 1 + 1e-6
