@@ -158,11 +158,16 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
         jax.tree.leaves(f_select_sorted(ck, cids, wk, wids))))
     for S in (x for x in (16, 32, 64, 128, 256, 512) if x <= N // screen_tile):
         variants.append((f"screen splits={S}", screen_variant(splits=S), screen_args))
+    study_notes = []
     if k.dtype == jnp.float8_e4m3fn:   # what an fp8 × fp8 MMA would save (not certified)
-        f = screen_variant(fp8_mma=True)
-        recorded = float(jnp.mean(jnp.sum(f(*screen_args)[2], axis=1)))
-        variants.append((f"screen fp8 x fp8 MMA, not certified ({recorded:.0f} recorded/query)",
-                         f, screen_args))
+        try:   # a study: if this MMA does not compile here, the other parts are still timed
+            f = screen_variant(fp8_mma=True)
+            recorded = float(jnp.mean(jnp.sum(f(*screen_args)[2], axis=1)))
+            variants.append((f"screen fp8 x fp8 MMA, not certified ({recorded:.0f} "
+                             "recorded/query)", f, screen_args))
+        except Exception as e:  # noqa: BLE001 - recorded in the table's notes
+            study_notes.append(f"screen fp8 x fp8 MMA: not timed ({e!r})"[:300])
+            log(f"[decode_parts] screen fp8 x fp8 MMA: ERROR {e!r}")
     parts = [("step", step, (qs[3], ws[3], ls[3], k, s, st)),
              ("witness", f_wit, (q, w, k, s, ids, n)),
              ("screen", f_screen, (q, w, k, s, theta, n)),
@@ -191,7 +196,7 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
                     f"splits {rk.shape[1]}, records per split {rk.shape[2]}; the screen's "
                     f"default splits {kd.screen_layout(B, N // screen_tile, K, screen_tile)[0]}",
                     "screened select == screened select, sorted pool (indices, scores, next "
-                    f"witnesses): {'bitwise' if same_select else 'MISMATCH'}"])
+                    f"witnesses): {'bitwise' if same_select else 'MISMATCH'}"] + study_notes)
     if not same_select:
         raise AssertionError("select_and_witness differs from the sorted pool's selection")
     t_step = None
