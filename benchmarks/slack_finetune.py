@@ -489,6 +489,13 @@ def run(plan: Plan, out: str, quick: bool) -> Table:
         tab.write()
         clock.log(f"trained {sorted(files)}; weights in {out}")
         return tab
+    if 0.0 not in plan.lambdas:   # nothing to choose against: the rows are the result
+        tab.notes.append("λ = 0 not in --lambdas: no λ chosen, nothing timed (the committed "
+                         "indexers' rows: --evaluate a folder holding their weights as "
+                         "weights_lambda_0.npz)")
+        tab.write()
+        clock.log("λ = 0 not requested: no λ chosen")
+        return tab
     chosen, met = choose(tab.rows, plan.lambdas, plan.coverage_tolerance)
     tab.meta.update(chosen_lambda=chosen, coverage_target_met=met)
     if chosen == 0.0:    # no regularised λ was measured against λ = 0: no "slack" weights

@@ -57,6 +57,15 @@ def test_quick_run_writes_rows_weights_and_timings(tmp_path):
         for c in ("kl_heldout", "survival") + tuple(
                 f"cov_{d}_N{N}" for d in ("code", "prose") for N in plan.lengths):
             assert a[c] == b[c], c
+    # without λ = 0 nothing is chosen nor timed, and that is no error: the rows are the result
+    lam = max(plan.lambdas)
+    out3 = os.path.join(out, "one")
+    assert sf.main(["--quick", "--out", out3, "--evaluate", out, "--lambdas", f"{lam:g}"]) == 0
+    with open(os.path.join(out3, "slack_finetune.json")) as f:
+        one = json.load(f)
+    assert {r["lambda"] for r in one["rows"]} == {lam}
+    assert not any("dosa_ms" in r for r in one["rows"]) and "chosen_lambda" not in one["meta"]
+    assert not os.path.exists(os.path.join(out3, sf.WEIGHTS_NAME)) and not one["errors"]
 
 
 def _rows(lam, cov, surv):
