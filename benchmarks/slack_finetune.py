@@ -37,7 +37,11 @@ T = 16K positions at N = 1M), bitwise equality checked. The chosen λ: among λ 
 head count, the one with the lowest worst-layer work; if none does, the λ > 0
 whose worst coverage drop is least (and the table says so). Its weights go to
 ``$OUT/lm_weights_slack.npz`` (``dosa_jax.datasets.trained(weights="slack")`` reads
-that file from ``dosa_jax/data/``).
+that file from ``dosa_jax/data/``). Without λ = 0 in ``--lambdas`` the rows are the result:
+nothing is chosen nor timed. ``--layer-scale F0,F1,…`` multiplies λ per LM layer (the
+committed slack file: ``--lambdas 3 --steps 85 --layer-scale 4,1,1,1``); ``--survivor-cost κ``
+makes the survival and timing calls ``Config(survivor_cost=κ)`` (the committed slack file was
+measured at κ = 8).
 
 Everything is written to ``$OUT/slack_finetune.{md,json}`` after every row, with a
 timestamped progress log; ``--budget-seconds`` bounds the whole run (stages that no
@@ -63,6 +67,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import math
 import os
 import shutil
 import sys
@@ -104,6 +109,8 @@ class Plan(NamedTuple):
     budget_seconds: float = 500.0
     timing_reserve: float = 60.0                   # seconds kept for the timing stage
     coverage_tolerance: float = 0.005
+    survivor_cost: float = 0.0                     # Config.survivor_cost of survival and timing
+                                                   # (0: the backend's default)
     evaluate: str = ""                             # read each λ's weights from here, no training
     train_only: bool = False                       # write every λ's weights, measure nothing
 
@@ -409,9 +416,13 @@ def run(plan: Plan, out: str, quick: bool) -> Table:
                     "per visible key relative to the dense scan (dosa_jax.slack.screening_work, "
                     "Eq. 21 with d_a = 1)",
                     f"timing: T={plan.T} (last positions), N={plan.N}, code, Config(top_k="
-                    f"{plan.K}, seed_size={plan.seeds}, backend='auto'), median of "
-                    f"{plan.repeats} calls after {plan.warmup} warm-up"])
+                    f"{plan.K}, seed_size={plan.seeds}, backend='auto'"
+                    + (f", survivor_cost={plan.survivor_cost:g}" if plan.survivor_cost else "")
+                    + f"), median of {plan.repeats} calls after {plan.warmup} warm-up"
+                    + ("; survival, mean r and work at the same survivor cost"
+                       if plan.survivor_cost else "")])
 
+    tab.meta.update(survivor_cost=plan.survivor_cost or None)   # None: the backend's default
     clock.log(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; plan {plan._asdict()}")
     heads = sorted(weights[2])
     lm_cfg = weights[0]
@@ -422,7 +433,8 @@ def run(plan: Plan, out: str, quick: bool) -> Table:
         jax.block_until_ready(longc.h)
         clock.log(f"long-context hidden states (N={plan.N}) ready")
     trainer = None if plan.evaluate else Trainer(tc, weights, plan, clock)
-    cfg = dosa_jax.Config(top_k=plan.K, seed_size=plan.seeds, backend="auto")
+    cfg = dosa_jax.Config(top_k=plan.K, seed_size=plan.seeds, backend="auto",
+                          survivor_cost=plan.survivor_cost or None)
     f_screened, _ = jitted_paths(cfg.replace(dense_switch=float("inf")))
     f_dosa, f_dense = jitted_paths(cfg)
     files, cache = {}, {}
@@ -601,6 +613,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="steps per λ (default: fitted to "
                     "--seconds-per-run from the first run's timed steps)")
     ap.add_argument("--budget-seconds", type=float, default=None)
+    ap.add_argument("--survivor-cost", type=float, default=None, metavar="KAPPA",
+                    help="Config.survivor_cost of the survival and timing calls (default: the "
+                         "backend's, 3 on the kernels), e.g. 8 for the committed slack weights")
     ap.add_argument("--coverage-queries", type=int, default=None,
                     help="positions per coverage measurement (default 512)")
     ap.add_argument("--survival-queries", type=int, default=None,
@@ -655,6 +670,10 @@ def main(argv=None) -> int:
         plan = plan._replace(steps=a.steps)
     if a.budget_seconds is not None:
         plan = plan._replace(budget_seconds=a.budget_seconds)
+    if a.survivor_cost is not None:
+        if not (math.isfinite(a.survivor_cost) and a.survivor_cost > 0):
+            ap.error(f"--survivor-cost must be a finite number > 0, got {a.survivor_cost}")
+        plan = plan._replace(survivor_cost=a.survivor_cost)
     for name in ("coverage_queries", "survival_queries"):
         v = getattr(a, name)
         if v is not None:

@@ -57,13 +57,20 @@ def test_quick_run_writes_rows_weights_and_timings(tmp_path):
         for c in ("kl_heldout", "survival") + tuple(
                 f"cov_{d}_N{N}" for d in ("code", "prose") for N in plan.lengths):
             assert a[c] == b[c], c
-    # without λ = 0 nothing is chosen nor timed, and that is no error: the rows are the result
+    # without λ = 0 nothing is chosen nor timed, and that is no error: the rows are the result;
+    # --survivor-cost prices the survival calls' budget (a larger κ: never a smaller mean r)
     lam = max(plan.lambdas)
     out3 = os.path.join(out, "one")
-    assert sf.main(["--quick", "--out", out3, "--evaluate", out, "--lambdas", f"{lam:g}"]) == 0
+    assert sf.main(["--quick", "--out", out3, "--evaluate", out, "--lambdas", f"{lam:g}",
+                    "--survivor-cost", "64"]) == 0
     with open(os.path.join(out3, "slack_finetune.json")) as f:
         one = json.load(f)
     assert {r["lambda"] for r in one["rows"]} == {lam}
+    assert any("survivor_cost=64" in n for n in one["notes"])
+    assert one["meta"]["survivor_cost"] == 64.0
+    for r in one["rows"]:
+        base = [b for b in rows if (b["lambda"], b["heads"], b["layer"]) == (lam, r["heads"], r["layer"])]
+        assert len(base) == 1 and r["budget"] >= base[0]["budget"]
     assert not any("dosa_ms" in r for r in one["rows"]) and "chosen_lambda" not in one["meta"]
     assert not os.path.exists(os.path.join(out3, sf.WEIGHTS_NAME)) and not one["errors"]
 
@@ -92,6 +99,13 @@ def test_next_lambda_keeps_the_timing_reserve_only_when_timings_follow():
     assert sf.next_lambda_seconds(plan, trainer, 25.0) == 170.0 + 25.0 + 60.0
     assert sf.next_lambda_seconds(plan._replace(train_only=True), trainer, 0.0) == 170.0
     assert sf.next_lambda_seconds(plan, None, 25.0) == 25.0 + 60.0     # --evaluate
+
+
+def test_bad_survivor_cost_is_rejected(tmp_path, capsys):
+    for bad in ("0", "-1", "nan", "inf"):
+        with pytest.raises(SystemExit):
+            sf.main(["--quick", "--survivor-cost", bad, "--out", str(tmp_path)])
+        assert "--survivor-cost must be a finite number > 0" in capsys.readouterr().err
 
 
 def test_bad_lambdas_are_rejected():
