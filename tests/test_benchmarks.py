@@ -319,3 +319,28 @@ def test_slack_analysis_on_a_weights_file(tmp_path, tiny_weights, capsys):
     capsys.readouterr()
     slack_analysis.main(["--report", str(out)])
     assert "| code | 0 (H=4, lm_weights_slack.npz) |" in capsys.readouterr().out
+
+
+def test_query_rounding_margin_counts_and_rounding(tmp_path):
+    """``benchmarks.query_rounding_margin``: the FP8 rounding of query rows (exact rows stay,
+    zero rows stay zero, the error within e4m3's half-ulp), and on a tiny trained case every
+    Top-K key counted by both screens, the rounded query's margin never the smaller."""
+    import numpy as np
+    from benchmarks import query_rounding_margin as qrm
+    exact = np.array([[[448.0, -0.5, 3.0, 0.0]], [[0.0, 0.0, 0.0, 0.0]]], np.float32) * 2.0 ** -20
+    np.testing.assert_array_equal(qrm.fp8_rounded_rows(exact), exact)
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((3, 4, 16)).astype(np.float32) * np.float32(7.3)
+    r = qrm.fp8_rounded_rows(q)
+    mx = np.abs(q).max(axis=-1, keepdims=True)
+    assert np.all(np.abs(r - q) <= mx * 2.0 ** -4)      # |x| ≤ max: half an ulp of 3 bits
+    assert np.any(r != q)
+    rows = qrm.main(["--cases", "code:2:32", "--length", "2048", "--queries", "2", "--K", "64",
+                     "--out", str(tmp_path)])
+    assert len(rows) == 1 and "error" not in rows[0], rows
+    for p in rows[0]["per_query"]:
+        assert min(64, p["visible"]) <= p["certified"] <= p["fp8_query"] <= p["visible"]
+        assert p["margin_fp8"] >= p["margin_cert"] >= 0
+    saved = json.loads((tmp_path / "query_rounding_margin.json").read_text())
+    assert saved["rows"][0]["certified"] == rows[0]["certified"]
+    assert "| code2_H32 | 2048 | 2 |" in (tmp_path / "query_rounding_margin.md").read_text()
