@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import numpy as np
@@ -84,27 +83,15 @@ def measure(domain: str, layer: int, heads: int, *, length: int, queries: int, K
                 margin_cert=med("margin_cert"), margin_fp8=med("margin_fp8"), per_query=rows)
 
 
-def report(rows, meta=None) -> str:
-    f = lambda v, fmt: "-" if v is None else format(v, fmt)
-    lines = ["# Query rounding and the decode screen's margin", ""]
-    if meta:
-        lines += [f"{meta['date']}; commit {meta['commit']}; {meta['device']} "
-                  f"({meta['backend']}); jax {meta['jax']}; `{meta['command']}`", ""]
-    lines += ["keys a screen from τ* cannot reject (s + m ≥ τ*), median over queries; "
-             "median margin m / |τ*|", "",
-             "| case | N | queries | visible | certified screen | FP8-rounded query | "
-             "margin / abs(τ*), certified | margin / abs(τ*), FP8 query |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['case']} | error: {r['error']} |")
-            continue
-        lines.append(f"| {r['case']} | {r['N']} | {r['queries']} | {f(r['visible'], '.0f')} | "
-                     f"{f(r['certified'], '.0f')} | {f(r['fp8_query'], '.0f')} | "
-                     f"{f(r['margin_cert'], '.4f')} | {f(r['margin_fp8'], '.2f')} |")
-    lines += ["", "- the FP8-query margin leaves out FP8 accumulation in the MMA: its counts are "
-              "lower bounds", "- scores in float64 from the stored FP8 keys, bf16 queries"]
-    return "\n".join(lines) + "\n"
+COLUMNS = [("case", "case"), ("N", "N"), ("queries", "queries"), ("visible", "visible"),
+           ("certified", "certified screen"), ("fp8_query", "FP8-rounded query"),
+           ("margin_cert", "margin / abs(τ*), certified"),
+           ("margin_fp8", "margin / abs(τ*), FP8 query"), ("error", "error")]
+NOTES = ["keys a screen from τ* cannot reject (s + m ≥ τ*) and the margin m / |τ*|: medians over "
+         "the queries (each query's in the JSON)",
+         "the FP8-query margin leaves out FP8 accumulation in the MMA: its counts are lower "
+         "bounds",
+         "scores in float64 from the stored FP8 keys, bf16 queries"]
 
 
 def main(argv=None):
@@ -122,23 +109,20 @@ def main(argv=None):
             cases.append((dom, int(layer), int(heads)))
         except ValueError:
             p.error(f"--cases: each case is domain:layer:heads, got {item!r}")
-    os.makedirs(a.out, exist_ok=True)
     from collections import namedtuple
-    from benchmarks.report import run_meta
+    from benchmarks.report import Table, run_meta
     meta = run_meta(namedtuple("Args", sorted(vars(a)))(**vars(a)))
     meta["command"] = "python -m benchmarks.query_rounding_margin " + " ".join(
         sys.argv[1:] if argv is None else argv)
-    rows = []
+    tab = Table("query_rounding_margin", "Query rounding and the decode screen's margin",
+                COLUMNS, a.out, meta, notes=NOTES)
     for dom, layer, heads in cases:
         try:
-            rows.append(measure(dom, layer, heads, length=a.length, queries=a.queries, K=a.K))
+            tab.add(measure(dom, layer, heads, length=a.length, queries=a.queries, K=a.K))
         except Exception as e:  # noqa: BLE001 - one failed case must not lose the others
-            rows.append(dict(case=f"{dom}{layer}_H{heads}", error=repr(e)[:300]))
-        print(json.dumps({k: v for k, v in rows[-1].items() if k != "per_query"}), flush=True)
-        with open(os.path.join(a.out, "query_rounding_margin.json"), "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
-        with open(os.path.join(a.out, "query_rounding_margin.md"), "w") as f:
-            f.write(report(rows, meta))
+            tab.add(dict(case=f"{dom}{layer}_H{heads}", error=repr(e)[:300]))
+        print(json.dumps({k: v for k, v in tab.rows[-1].items() if k != "per_query"}), flush=True)
+    rows = tab.rows
     return rows
 
 
