@@ -65,8 +65,12 @@ class Shape(NamedTuple):
     capacity: object
 
 
+#: The screen variants timed beside the default (``--studies``).
+STUDIES = ("mma", "tiles", "warps", "splits", "fp8")
+
+
 def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, out: str,
-        capacity=None):
+        capacity=None, studies=STUDIES, tag: str = ""):
     from dosa_jax import datasets
     from dosa_jax.decode import (best_witnesses, distinct_pool, select_and_witness,
                                  witness_budget)
@@ -140,13 +144,18 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
 
     screen_args = (q, w, k, s, theta, n)
     variants = []
-    for tile in (64, 128, 256):
+    if k.dtype == jnp.float8_e4m3fn and "mma" in studies:   # the default float16 MMA's gain
+        f = screen_variant(mma="bf16")
+        recorded = float(jnp.mean(jnp.sum(f(*screen_args)[2], axis=1)))
+        variants.append((f"screen bf16 MMA, canonical pieces ({recorded:.0f} recorded/query)",
+                         f, screen_args))
+    for tile in (64, 128, 256) if "tiles" in studies else ():
         for norm in ("auto", None):
             f = screen_variant(key_tile=tile, norm=norm)
             recorded = float(jnp.mean(jnp.sum(f(*screen_args)[2], axis=1)))
             variants.append((f"screen BK={tile} norm={'each key' if norm is None else 'dtype'}"
                              f" ({recorded:.0f} recorded/query)", f, screen_args))
-    for tile in (64, 128):          # the screen's Triton warps and pipeline stages
+    for tile in (64, 128) if "warps" in studies else ():   # Triton warps and stages
         for warps in (2, 4, 8):
             for stages in (2, 4):
                 variants.append((f"screen BK={tile} warps={warps} stages={stages}",
@@ -156,10 +165,11 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
     same_select = all(bool(jnp.array_equal(x, y)) for x, y in zip(
         jax.tree.leaves(f_select(ck, cids, wk, wids)),
         jax.tree.leaves(f_select_sorted(ck, cids, wk, wids))))
-    for S in (x for x in (16, 32, 64, 128, 256, 512) if x <= N // screen_tile):
+    for S in (x for x in (16, 32, 64, 128, 256, 512)
+              if x <= N // screen_tile and "splits" in studies):
         variants.append((f"screen splits={S}", screen_variant(splits=S), screen_args))
     study_notes = []
-    if k.dtype == jnp.float8_e4m3fn:   # what an fp8 × fp8 MMA would save (not certified)
+    if k.dtype == jnp.float8_e4m3fn and "fp8" in studies:   # not certified: a study
         try:   # a study: if this MMA does not compile here, the other parts are still timed
             f = screen_variant(fp8_mma=True)
             recorded = float(jnp.mean(jnp.sum(f(*screen_args)[2], axis=1)))
@@ -183,7 +193,7 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
              ("top_k rows real slots", f_top_real, (wk,))] + variants
     meta = run_meta(Shape(domain, layer, H, N, B, K, cap))
     meta["command"] = "python -m benchmarks.decode_parts " + " ".join(sys.argv[1:])
-    tab = Table("decode_parts", f"Decode step by part: {domain} {layer} H={H}, N={N}, B={B}, "
+    tab = Table("decode_parts" + (f"_{tag}" if tag else ""), f"Decode step by part: {domain} {layer} H={H}, N={N}, B={B}, "
                 f"K={K}, capacity {cap}", [("part", "part"), ("ms", "ms"),
                                             ("share", "of the step"), ("clock", "clock")],
                 out, meta, notes=[
@@ -218,9 +228,18 @@ def main(argv=None) -> int:
     ap.add_argument("--K", type=int, default=2048)
     ap.add_argument("--capacity", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--studies", default=",".join(STUDIES),
+                    help=f"screen variants timed beside the default, of {','.join(STUDIES)} "
+                         "(empty: none)")
+    ap.add_argument("--tag", default="", help="suffix of the output files' name")
     ap.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
     a = ap.parse_args(argv)
-    tab = run(a.domain, a.layer, a.heads, a.N, a.B, a.K, a.repeats, a.out, a.capacity)
+    studies = tuple(x for x in a.studies.split(",") if x)
+    unknown = sorted(set(studies) - set(STUDIES))
+    if unknown:
+        ap.error(f"--studies: unknown {unknown}; choose from {','.join(STUDIES)}")
+    tab = run(a.domain, a.layer, a.heads, a.N, a.B, a.K, a.repeats, a.out, a.capacity,
+              studies, a.tag)
     tab.write()
     print(tab.markdown())
     return 0

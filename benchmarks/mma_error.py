@@ -1,7 +1,7 @@
 """Measure the tensor-core dot error of Pallas Triton tiles against exact float64 dots.
 
 Reports max over many (row, key) pairs of |dot_kernel − dot_exact| / Σ_j |a_j b_j|
-for bf16 × bf16 and fp8 × fp8 operands (float32 accumulation requested), and
+for bf16 × bf16, float16 × float16 (the decode screen's MMA) and fp8 × fp8 operands (float32 accumulation requested), and
 compares with the model bound ``pallas_kernels.numerics.mma_gamma(D)``.
 Inputs: random normals, plus a cancellation-heavy set (half the products large
 and positive, half large and negative, small remainders).
@@ -73,5 +73,6 @@ def measure(dtype, M=4096, N=4096, D=128, kinds=("normal", "cancel"), seed=0, in
 
 if __name__ == "__main__":  # pragma: no cover
     import json
-    print(json.dumps({str(jnp.dtype(d)): measure(d) for d in (jnp.bfloat16, jnp.float8_e4m3fn)},
+    print(json.dumps({str(jnp.dtype(d)): measure(d) for d in (jnp.bfloat16, jnp.float16,
+                                                     jnp.float8_e4m3fn)},
                      indent=1))

@@ -33,7 +33,7 @@ import numpy as np
 from jax import lax
 
 from dosa_jax.backend import on_gpu
-from dosa_jax.numerics import rounded_to
+from dosa_jax.numerics import norm_upper, rounded_to
 from dosa_jax.selection import INT32_MIN
 
 Array = jax.Array
@@ -48,7 +48,15 @@ ID_MASK = (1 << ID_BITS) - 1
 MAX_KEYS = 1 << ID_BITS
 
 BF16 = jnp.dtype(jnp.bfloat16)
+F16 = jnp.dtype(jnp.float16)
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
+#: The float16 rows of :func:`scaled_f16_pieces` have their largest magnitude in
+#: [2^(F16_TOP-1), 2^F16_TOP): below float16's largest finite value (65504), and far enough
+#: above its subnormals (2^-14) that a bf16 row keeps every element ≥ 2^-31·max exact.
+F16_TOP = 15
+#: Bounds of the row exponents of :func:`scaled_f16_pieces` (rows with larger or smaller
+#: magnitudes lose bits, which the representation error charges).
+F16_EXPONENT_LIMIT = 64
 
 
 def interpret_default() -> bool:
@@ -93,6 +101,55 @@ def mma_pieces(x: Array, mma_dtype=BF16, widen_fp8: bool = True) -> Array:
     return jnp.stack([hi.astype(BF16), (xf - hi).astype(BF16)])
 
 
+def scaled_f16_pieces(x: Array, weights=None):
+    """float16 MMA pieces of rows ``x`` [..., D], each row scaled by a power of two.
+
+    Row r is multiplied by 2^e_r (exact) so that its largest magnitude lies in
+    [2^(F16_TOP−1), 2^F16_TOP) (e_r = 0 for zero or non-finite rows; |e_r| ≤
+    :data:`F16_EXPONENT_LIMIT`), then split: one float16 piece for bf16, float16 and fp8
+    rows (exact for every element ≥ 2^-31·max|row|), hi + lo for float32 rows (the
+    remainder ≤ 2^-22 relative). Products of float16 pieces with FP8 (or float16) keys are
+    exact in float32 and their sums never subnormal (every product is a multiple of 2^-33),
+    so a float16 MMA of scaled rows rounds like a bf16 MMA of the rows, times 2^e_r.
+
+    ``weights`` [...] (float32, the rows' head weights): a row whose weight times 2^-e_r
+    would not be exact (it underflows or overflows) keeps e_r = 0, so that the scorer's
+    weights w·2^-e are exactly the weights scaled.
+
+    Returns (pieces [P, ..., D] float16, e [...] int32); :func:`scaled_f16_error` bounds
+    ‖x − Σ pieces·2^-e‖.
+    """
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=-1)
+    _, top = jnp.frexp(amax)                       # amax < 2^top
+    ok = (amax > 0) & jnp.isfinite(amax)
+    e = jnp.where(ok, jnp.clip(F16_TOP - top, -F16_EXPONENT_LIMIT, F16_EXPONENT_LIMIT), 0)
+    e = e.astype(jnp.int32)
+    if weights is not None:
+        wf = weights.astype(jnp.float32)
+        back = jnp.ldexp(jnp.ldexp(wf, -e), e)
+        e = jnp.where((back == wf) | ~jnp.isfinite(wf), e, 0)
+    xs = jnp.ldexp(xf, e[..., None])
+    hi = xs.astype(F16)
+    if jnp.dtype(x.dtype) in (BF16, F16, FP8):
+        return hi[None], e
+    lo = (xs - hi.astype(jnp.float32)).astype(F16)
+    return jnp.stack([hi, lo]), e
+
+
+def scaled_f16_error(x: Array, pieces: Array, e: Array) -> Array:
+    """‖x − Σ pieces·2^-e‖ along the last axis, bounded upward (float32; the rows' scaling
+    is exact except where it underflows, at most 2^-150 per element, which is added)."""
+    xs = jnp.ldexp(x.astype(jnp.float32), e[..., None])
+    pieces = lax.optimization_barrier(pieces)
+    d = xs
+    for p in range(pieces.shape[0]):            # each subtraction exact (Sterbenz-like)
+        d = d - pieces[p].astype(jnp.float32)
+    allowance = jnp.float32(np.sqrt(x.shape[-1]) * 2.0 ** -149)
+    up = norm_upper(d) * jnp.float32(1 + 2.0 ** -20) + allowance
+    return jnp.ldexp(up, -e) + jnp.float32(2.0 ** -126)   # the floor: ldexp may underflow
+
+
 def row_pieces(x: Array, single: bool) -> Array:
     """MMA pieces of screening rows: one bf16 piece (``single``; the rounding, zero for rows
     exact in bf16, is charged by :func:`pallas_kernels.numerics.representation_error`), else
@@ -100,9 +157,19 @@ def row_pieces(x: Array, single: bool) -> Array:
     return x.astype(BF16)[None] if single else mma_pieces(x.astype(jnp.float32))
 
 
-def as_mma_operand(x, fp8_mma: bool = False):
-    """In-kernel cast of a stored piece to the MMA operand dtype (exact for fp8 -> bf16)."""
-    want = FP8 if fp8_mma else BF16
+def mma_dtype_of(a, b, fp8_mma: bool = False):
+    """The MMA operand dtype of a product of stored pieces ``a`` and ``b``: fp8 (``fp8_mma``),
+    float16 when either piece is float16 (:func:`scaled_f16_pieces` rows against FP8 keys,
+    widened to float16 in registers: one conversion per two elements on sm_90), else bf16."""
+    if fp8_mma:
+        return FP8
+    return F16 if F16 in (jnp.dtype(a.dtype), jnp.dtype(b.dtype)) else BF16
+
+
+def as_mma_operand(x, fp8_mma: bool = False, dtype=None):
+    """In-kernel cast of a stored piece to the MMA operand dtype ``dtype`` (default: fp8 with
+    ``fp8_mma``, else bf16); exact for fp8 -> bf16 and fp8 -> float16."""
+    want = jnp.dtype(dtype) if dtype is not None else (FP8 if fp8_mma else BF16)
     return x if jnp.dtype(x.dtype) == want else x.astype(want)
 
 
@@ -111,8 +178,9 @@ def keys_rows_dot(k_pieces, q_pieces, pairs, fp8_mma: bool = False):
     [BK, D] × [n, D] -> [BK, n] float32, keys as MMA rows (the ``"kh"``/``"kc"`` layouts)."""
     x = None
     for a, b in pairs:
-        d = lax.dot_general(as_mma_operand(k_pieces[b], fp8_mma),
-                            as_mma_operand(q_pieces[a], fp8_mma),
+        dt = mma_dtype_of(k_pieces[b], q_pieces[a], fp8_mma)
+        d = lax.dot_general(as_mma_operand(k_pieces[b], dtype=dt),
+                            as_mma_operand(q_pieces[a], dtype=dt),
                             (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         x = d if x is None else x + d
     return x
@@ -123,7 +191,8 @@ def rows_keys_dot(q_pieces, k_pieces, pairs, fp8_mma: bool = False):
     float32, query rows as MMA rows (the ``"hk"`` layout)."""
     x = None
     for a, b in pairs:
-        d = jnp.dot(as_mma_operand(q_pieces[a], fp8_mma), as_mma_operand(k_pieces[b], fp8_mma).T,
+        dt = mma_dtype_of(q_pieces[a], k_pieces[b], fp8_mma)
+        d = jnp.dot(as_mma_operand(q_pieces[a], dtype=dt), as_mma_operand(k_pieces[b], dtype=dt).T,
                     preferred_element_type=jnp.float32)
         x = d if x is None else x + d
     return x

@@ -60,7 +60,8 @@ from dosa_jax.tiling import round_up_to
 from pallas_kernels import numerics
 from pallas_kernels import records as rec
 from pallas_kernels.common import (BF16, FP8, ID_BITS, THETA_NONE, compiler_params,
-                                   interpret_default, mma_pieces, pad_axis, split_key_tiles)
+                                   interpret_default, mma_pieces, pad_axis, scaled_f16_pieces,
+                                   split_key_tiles)
 from pallas_kernels.operands import capacity_for, prepare_operands
 from pallas_kernels.scoring import load_query_tile, score_reference, score_tile
 from pallas_kernels.seeds import seed_scores
@@ -196,12 +197,18 @@ def payload_norm_bound(k_dtype, D: int):
                               np.float32(np.inf)))
 
 
-def screen_margin_coefficient(q, w, k_dtype):
+def screen_margin_coefficient(q, w, k_dtype, f16=None):
     """coef [T]: 2·E_s (:func:`pallas_kernels.numerics.scorer_error_coefficient`). Any two
     kernel scorers of the same operand pieces — the canonical 4-slot tile and the screen's
     1-slot tile — lie within α·n_i·E_s of α·s_i (every MMA dot, any head-sum order, the same
-    error model), so within α·n_i·coef of each other."""
-    return 2.0 * numerics.scorer_error_coefficient(q, w, k_dtype)
+    error model), so within α·n_i·coef of each other. ``f16`` = (pieces, exponents): the
+    screen multiplies :func:`pallas_kernels.common.scaled_f16_pieces` instead of the
+    canonical pieces, so coef = E_s + that scorer's E_s
+    (:func:`pallas_kernels.numerics.scaled_f16_scorer_error_coefficient`)."""
+    e_s = numerics.scorer_error_coefficient(q, w, k_dtype)
+    if f16 is None:
+        return 2.0 * e_s
+    return nm.upper_sum(e_s, numerics.scaled_f16_scorer_error_coefficient(q, w, k_dtype, *f16))
 
 
 @functools.partial(jax.jit, static_argnames=("K", "S", "C", "BK", "page", "tiles", "H", "pairs",
@@ -466,7 +473,7 @@ def witness_threshold(prep: Prepared, ids, lengths, M: int, K: int, *, interpret
 
 def screen_records(prep: Prepared, q, w, theta, lengths, K: int, *, splits=None,
                    interpret=None, key_tile: int = SCREEN_KEY_TILE, norm="auto",
-                   warps: int = 0, stages: int = 0, fp8_mma: bool = False):
+                   warps: int = 0, stages: int = 0, fp8_mma: bool = False, mma="auto"):
     """The screen (one query slot per sequence, M = 1): record buffers of the keys whose upper
     bound clears ``theta`` [B] (order keys of the bounds and ids [B, S, C]; counts ≤ C and
     appended [B, S]; appended > C: that buffer overflowed). The upper bounds are ≥ the
@@ -474,6 +481,12 @@ def screen_records(prep: Prepared, q, w, theta, lengths, K: int, *, splits=None,
     a buffer overflowed. ``warps``, ``stages``: the kernel's Triton warps and pipeline stages
     (0: the scan's, ``prep.tiles``); the bound holds for any (its margin covers any scorer's
     summation order).
+
+    ``mma``: the operand type of the screen's MMA. ``"auto"``: float16 for FP8 keys — each
+    query row scaled by a power of two into float16 (:func:`scaled_f16_pieces`, its weights
+    by the inverse), the keys widened fp8 → float16 in registers by one conversion per two
+    elements (fp8 → bf16 takes four instructions per two on sm_90) — else bf16; ``"bf16"``:
+    the canonical pieces (bf16) for any keys. The margin covers either.
 
     ``fp8_mma`` is a timing study, never a step's screen: the query rounded to FP8 (clipped
     to its finite range) and multiplied fp8 × fp8 on the tensor cores, without the in-kernel
@@ -489,14 +502,21 @@ def screen_records(prep: Prepared, q, w, theta, lengths, K: int, *, splits=None,
     BK = scan_tile(prep.page, key_tile)
     S, C = screen_layout(B, prep.page * prep.page_table.shape[1] // BK, K, BK, splits)
     nb = payload_norm_bound(prep.kp.dtype, prep.kp.shape[2]) if norm == "auto" else norm
-    qs = q[:, 0]
+    if mma not in ("auto", "bf16"):
+        raise ValueError(f"screen_records: mma must be 'auto' or 'bf16', got {mma!r}")
+    qs, ws = q[:, 0], w[:, 0]
+    keys = (prep.kp, jnp.ones((1,), jnp.float32))
+    f16 = None
     if fp8_mma:
         big = float(jnp.finfo(FP8).max)
         qs = jnp.clip(qs.astype(jnp.float32), -big, big).astype(FP8)
-    ops = prepare_operands(qs, w[:, 0], None, None, 1, FP8 if fp8_mma else jnp.bfloat16, "kc",
-                           widen_fp8=False, lane_sums=False,
-                           keys=(prep.kp, jnp.ones((1,), jnp.float32)))
-    coef = screen_margin_coefficient(q[:, 0], w[:, 0], prep.kp.dtype)
+    elif mma == "auto" and jnp.dtype(prep.kp.dtype) == FP8:
+        f16 = scaled_f16_pieces(qs, ws)
+        ws = jnp.ldexp(ws.astype(jnp.float32), -f16[1])
+    ops = prepare_operands(qs, ws, None, None, 1, FP8 if fp8_mma else jnp.bfloat16, "kc",
+                           widen_fp8=False, lane_sums=False, keys=keys,
+                           q_pieces=None if f16 is None else f16[0])
+    coef = screen_margin_coefficient(q[:, 0], w[:, 0], prep.kp.dtype, f16)
     return decode_scan(ops.q, ops.w, lengths.astype(jnp.int32), theta, prep.page_table, prep.kp,
                        prep.scale, coef, K=K, S=S, C=C, BK=BK, page=prep.page,
                        tiles=prep.tiles._replace(num_warps=warps or prep.tiles.num_warps,

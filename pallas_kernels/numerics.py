@@ -27,7 +27,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from dosa_jax import numerics as nm
-from pallas_kernels.common import BF16, FP8, mma_pieces, pieces_value, row_pieces
+from pallas_kernels.common import (BF16, FP8, mma_pieces, pieces_value, row_pieces,
+                                   scaled_f16_error)
 
 #: Unit roundoff assumed for the tensor-core accumulation of bf16 products.
 U_MMA = 2.0 ** -22
@@ -61,21 +62,41 @@ def dot_error_per_norm(vec_norm_up, rep_err_up, D: int, k_dtype, n_pairs: int):
     return rep_err_up + vec_norm_up * jnp.float32(g)
 
 
+def _scorer_error(qn, rep, w, D: int, k_dtype, n_pairs: int):
+    """Σ_h |w_h| e_h + γ_{H+3} Σ_h |w_h| (‖q_h‖ + e_h), inflated: e_h the head's dot error
+    per key norm (representation ``rep`` + MMA) through the 1-Lipschitz ReLU, then the tree
+    sum of the H weighted terms."""
+    H = qn.shape[-1]
+    e = dot_error_per_norm(qn, rep, D, k_dtype, n_pairs)
+    aw = jnp.abs(w.astype(jnp.float32))
+    head = jnp.sum(aw * e, axis=-1)
+    tree = jnp.sum(aw * (qn + e), axis=-1) * jnp.float32(nm.gamma(H + 3))
+    return nm.inflate(head + tree, 2 * H + 4)
+
+
 def scorer_error_coefficient(q, w, k_dtype):
     """E_s: |s_kernel − α s_real| ≤ α n_i E_s (+ the final nudge) for every key.
 
     Per head: the dot error (representation + MMA) through the 1-Lipschitz ReLU
     times |w_h|; the tree sum of H weighted terms: γ_{H+2} Σ|w_h| (‖q_h‖ + e_h).
     """
-    T, H, D = q.shape
+    D = q.shape[-1]
     qn = nm.norm_upper(q.astype(jnp.float32))
-    rep = representation_error(q)
     n_pairs = 1 + (jnp.dtype(q.dtype) not in (BF16, FP8)) + (jnp.dtype(k_dtype) not in (BF16, FP8))
-    e = dot_error_per_norm(qn, rep, D, k_dtype, n_pairs)
-    aw = jnp.abs(w.astype(jnp.float32))
-    head = jnp.sum(aw * e, axis=-1)
-    tree = jnp.sum(aw * (qn + e), axis=-1) * jnp.float32(nm.gamma(H + 3))
-    return nm.inflate(head + tree, 2 * H + 4)
+    return _scorer_error(qn, representation_error(q), w, D, k_dtype, n_pairs)
+
+
+def scaled_f16_scorer_error_coefficient(q, w, k_dtype, pieces, e):
+    """E_s of a scorer whose query rows are :func:`pallas_kernels.common.scaled_f16_pieces`
+    (``pieces``, exponents ``e``) and whose weights are w_h·2^-e_h: the same bound with the
+    float16 pieces' representation error. The scaling by powers of two moves no rounding
+    (no product or partial sum of those pieces with FP8 keys is subnormal), so the MMA model
+    holds unchanged; the pieces are exact for bf16 queries in range (representation 0)."""
+    D = q.shape[-1]
+    qn = nm.norm_upper(q.astype(jnp.float32))
+    rep = scaled_f16_error(q, pieces, e)
+    return _scorer_error(qn + rep, rep, w, D, k_dtype, pieces.shape[0] + (
+        jnp.dtype(k_dtype) not in (BF16, FP8)))
 
 
 def screening_error_coefficient(rows, row_w, aggregate, k_dtype, coef_plan,

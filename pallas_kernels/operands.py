@@ -59,7 +59,7 @@ def prepare_key_operands(k, k_scale, mma_dtype=jnp.bfloat16, widen_fp8: bool = T
 
 def prepare_operands(q, w, k, k_scale, BQ: int, mma_dtype=jnp.bfloat16,
                      layout: str = "hk", widen_fp8: bool = True,
-                     lane_sums: bool = False, keys=None) -> Operands:
+                     lane_sums: bool = False, keys=None, q_pieces=None) -> Operands:
     """Pieces, pads (heads to a power of two with zero weights, D to ≥ 16, T to BQ).
 
     ``layout="kh"`` multiplies keys by one query's H heads, so H is padded to ≥ 16.
@@ -69,6 +69,8 @@ def prepare_operands(q, w, k, k_scale, BQ: int, mma_dtype=jnp.bfloat16,
     :func:`pallas_kernels.common.lane_aligned_order` (the kernels follow ``ops.lane_sums``).
     ``keys``: :func:`prepare_key_operands` of the same ``k``, ``k_scale``, ``mma_dtype`` and
     ``widen_fp8``, computed before (``k`` is then only read for its shape).
+    ``q_pieces``: the query's MMA pieces [P, T, H, D], made before
+    (:func:`pallas_kernels.common.scaled_f16_pieces`); ``q`` is then only read for its shape.
     """
     T, H, D = q.shape
     Hp = next_pow2(max(H, 1))
@@ -76,7 +78,7 @@ def prepare_operands(q, w, k, k_scale, BQ: int, mma_dtype=jnp.bfloat16,
         Hp *= 2
     Dp = max(16, next_pow2(D))
     Tpad = round_up_to(max(T, 1), BQ)
-    qp = mma_pieces(q, mma_dtype, widen_fp8)
+    qp = mma_pieces(q, mma_dtype, widen_fp8) if q_pieces is None else q_pieces
     kp, scale = keys if keys is not None else prepare_key_operands(k, k_scale, mma_dtype,
                                                                    widen_fp8)
     qp = pad_axis(pad_axis(pad_axis(qp, 3, Dp), 2, Hp), 1, Tpad)

@@ -9,6 +9,7 @@ import pytest
 
 import dosa_jax
 from pallas_kernels import decode as kd
+from pallas_kernels.common import scaled_f16_pieces
 from test_decode import D, H, _bits, _dense_per_sequence, _keys, _paged
 
 
@@ -71,14 +72,42 @@ def _check_bound(q, k, s, w, lengths, interpret, splits=2, **screen):
         assert (canon[b, n:] == np.iinfo(np.int32).min).all()   # beyond the length: none
 
 
-@pytest.mark.parametrize("key_dtype", ["fp8", "bf16"])
+@pytest.mark.parametrize("key_dtype,mma", [("fp8", "auto"), ("fp8", "bf16"), ("bf16", "auto")])
 @pytest.mark.parametrize("q_dtype", [jnp.bfloat16, jnp.float32])
-def test_screen_bound_holds_on_every_key_and_is_tight(key_dtype, q_dtype):
+def test_screen_bound_holds_on_every_key_and_is_tight(key_dtype, mma, q_dtype):
+    """Both screen MMAs (FP8 keys: float16 of scaled query rows by default, or the canonical
+    bf16 pieces)."""
     rng = np.random.default_rng(0)
     B, N = 2, 384
     q, k, s, w = _problem(rng, B, N, key_dtype, q_dtype)
     w = w.at[1].set(jnp.abs(w[1]))                     # one sequence's weights all one sign
-    _check_bound(q, k, s, w, jnp.array([N, 250], jnp.int32), True)
+    _check_bound(q, k, s, w, jnp.array([N, 250], jnp.int32), True, mma=mma)
+
+
+@pytest.mark.parametrize("q_dtype", [jnp.bfloat16, jnp.float32])
+def test_f16_screen_bound_holds_on_queries_beyond_float16(q_dtype):
+    """The float16 screen's query rows span bf16's range: heads of magnitude 2^60, 2^-70 and
+    2^-100 (scaled into float16 by their own powers of two, the last one beyond the
+    exponent limit), a head mixing 2^20 with elements 2^-30 (below float16's reach after
+    scaling: a representation error the margin charges), a zero head, and a head whose
+    weight 2^-120 cannot be scaled (it stays unscaled). The bound holds on every key."""
+    rng = np.random.default_rng(11)
+    B, N = 2, 256
+    q, k, s, w = _problem(rng, B, N, "fp8", jnp.float32)
+    qf = np.asarray(q, np.float64)
+    qf[0, 0, 0] *= 2.0 ** 60
+    qf[0, 0, 1] *= 2.0 ** -70
+    qf[0, 0, 2] *= 2.0 ** -100
+    qf[0, 0, 3, :64] *= 2.0 ** 20
+    qf[0, 0, 3, 64:] *= 2.0 ** -30
+    qf[1, 0, 0] = 0.0
+    q = jnp.asarray(qf, q_dtype)
+    w = w.at[1, 0, 1].set(2.0 ** -120)
+    pieces, e = scaled_f16_pieces(q[:, 0], w[:, 0])
+    e = np.asarray(e)
+    assert e[0, 0] < 0 and e[0, 1] > 0 and e[0, 2] == 64 and e[1, 0] == 0 and e[1, 1] == 0
+    assert np.isfinite(np.asarray(pieces, np.float32)).all()
+    _check_bound(q, k, s, w, jnp.array([N, 200], jnp.int32), True)
 
 
 ON_GPU = dosa_jax.backend.on_gpu()
@@ -195,25 +224,29 @@ def test_decode_parts_benchmark_runs_on_cpu(tmp_path):
     """``python -m benchmarks.decode_parts`` at tiny shapes: every part timed, files written."""
     import json
     from benchmarks import decode_parts
+    with pytest.raises(SystemExit):
+        decode_parts.main(["--studies", "mma,nope", "--out", str(tmp_path)])
     assert decode_parts.main(["--N", "2048", "--B", "2", "--K", "32", "--repeats", "1",
-                              "--out", str(tmp_path)]) == 0
-    saved = json.loads((tmp_path / "decode_parts.json").read_text())
+                              "--tag", "cpu", "--out", str(tmp_path)]) == 0
+    saved = json.loads((tmp_path / "decode_parts_cpu.json").read_text())
     parts = [r["part"] for r in saved["rows"]]
     assert parts[:4] == ["step", "witness", "screen", "screened"]
     assert sum(p.startswith("screen BK=") and "warps=" not in p for p in parts) == 6
     assert sum(p.startswith("screen BK=") and "warps=" in p for p in parts) == 12
     assert {"screened select", "screened select, sorted pool", "screen splits=16"} <= set(parts)
     assert sum(p.startswith("screen fp8 x fp8 MMA, not certified") for p in parts) == 1
+    assert sum(p.startswith("screen bf16 MMA, canonical pieces") for p in parts) == 1
     assert any("sorted pool" in n and "bitwise" in n for n in saved["notes"])
     assert all(r["ms"] > 0 for r in saved["rows"])
-    assert (tmp_path / "decode_parts.md").exists()
+    assert (tmp_path / "decode_parts_cpu.md").exists()
 
 
 def test_fp8_mma_screen_study_is_the_screen_on_queries_exact_in_fp8():
     """The timing study's fp8 × fp8 screen (``screen_records(fp8_mma=True)``) computes the
     screen's function: on integer queries and keys (every product and sum exact, so any
     summation order agrees) it records the same keys with the same bounds as the certified
-    screen. Keys other than FP8 are refused."""
+    screen of the canonical pieces (``mma="bf16"``, the same margin). Keys other than FP8
+    are refused."""
     rng = np.random.default_rng(5)
     B, N = 2, 256
     k = jnp.asarray(rng.integers(-4, 5, size=(B, N, D)), jnp.float8_e4m3fn)
@@ -224,13 +257,13 @@ def test_fp8_mma_screen_study_is_the_screen_on_queries_exact_in_fp8():
     prep = kd.prepare(q, w, k, s, None)
     theta = jnp.full((B,), kd.THETA_NONE, jnp.int32)
     got = [kd.screen_records(prep, q, w, theta, lengths, N, splits=2, interpret=True,
-                             fp8_mma=f) for f in (False, True)]
+                             fp8_mma=f, mma="bf16") for f in (False, True)]
     keys = [_all_keys(rk, ri, cnt, range(B), N) for rk, ri, cnt, _ in got]
     assert (keys[0] != np.iinfo(np.int32).min).sum() == N + 200
     np.testing.assert_array_equal(keys[0], keys[1])
     q3 = q * jnp.bfloat16(1.0 + 2.0 ** -6)      # exact in bf16, rounded in FP8 (3 bits)
     got = [kd.screen_records(kd.prepare(q3, w, k, s, None), q3, w, theta, lengths, N, splits=2,
-                             interpret=True, fp8_mma=f)[:3] for f in (False, True)]
+                             interpret=True, fp8_mma=f, mma="bf16")[:3] for f in (False, True)]
     assert not np.array_equal(*(_all_keys(*g, range(B), N) for g in got))   # the study rounds
     bf = kd.prepare(q, w, k.astype(jnp.bfloat16), None, None)
     with pytest.raises(ValueError, match="needs FP8 keys"):
