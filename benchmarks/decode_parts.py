@@ -27,6 +27,11 @@ of ``--repeats`` calls after warm-up):
   fp8 × fp8 MMA instead of widening each key to bf16 in registers — a timing study of that
   widening and MMA (``screen_records(fp8_mma=True)``: its margin does not cover the rounding,
   so no step uses it), with its records per query beside the certified screen's;
+* ``screen, scales and weights read in each tile``: the screen without reading the key
+  scales a tile ahead and the head weights once (``screen_records(ahead=False)``), with
+  whether its records are bitwise the default's;
+* ``screen bf16 MMA, canonical pieces``: the screen multiplying the canonical bf16 query
+  pieces (``screen_records(mma="bf16")``) instead of the float16 scaled rows;
 * ``screen BK=… warps=… stages=…``: the screen at other tiles, Triton warps and pipeline
   stages (the default: ``SCREEN_KEY_TILE`` and the scan's ``Tiles``);
 * ``overflow update``: the same from all records (``record_witnesses``, the overflow path);
@@ -66,11 +71,11 @@ class Shape(NamedTuple):
 
 
 #: The screen variants timed beside the default (``--studies``).
-STUDIES = ("mma", "tiles", "warps", "splits", "fp8")
+STUDIES = ("mma", "ahead", "tiles", "warps", "splits", "fp8")
 
 
 def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, out: str,
-        capacity=None, studies=STUDIES, tag: str = ""):
+        capacity=None, studies=STUDIES, tag: str = "", only=()):
     from dosa_jax import datasets
     from dosa_jax.decode import (best_witnesses, distinct_pool, select_and_witness,
                                  witness_budget)
@@ -149,6 +154,12 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
         recorded = float(jnp.mean(jnp.sum(f(*screen_args)[2], axis=1)))
         variants.append((f"screen bf16 MMA, canonical pieces ({recorded:.0f} recorded/query)",
                          f, screen_args))
+    if "ahead" in studies:   # the default reads each tile's scales a tile ahead
+        f = screen_variant(ahead=False)
+        same = all(bool(jnp.array_equal(x, y)) for x, y in zip(f(*screen_args),
+                                                                f_screen(*screen_args)))
+        variants.append((f"screen, scales and weights read in each tile (records "
+                         f"{'bitwise the same' if same else 'DIFFER'})", f, screen_args))
     for tile in (64, 128, 256) if "tiles" in studies else ():
         for norm in ("auto", None):
             f = screen_variant(key_tile=tile, norm=norm)
@@ -209,11 +220,18 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
                     f"witnesses): {'bitwise' if same_select else 'MISMATCH'}"] + study_notes)
     if not same_select:
         raise AssertionError("select_and_witness differs from the sorted pool's selection")
+    names = [name for name, _, _ in parts]
+    unknown = sorted(set(only) - set(names))
+    if unknown:
+        raise ValueError(f"decode_parts: parts {unknown} unknown; the parts: {names}")
     t_step = None
     for name, f, a in parts:
+        if only and name not in only:
+            continue
         t = timeit(f, *a, warmup=2, repeats=repeats)
-        t_step = t.seconds if t_step is None else t_step
-        tab.add(dict(part=name, ms=t.seconds * 1e3, share=t.seconds / t_step, clock=t.clock))
+        t_step = t.seconds if name == "step" else t_step
+        tab.add(dict(part=name, ms=t.seconds * 1e3,
+                     share=None if t_step is None else t.seconds / t_step, clock=t.clock))
         log(f"[decode_parts] {name}: {t.seconds * 1e3:.3f} ms")
     return tab
 
@@ -232,6 +250,9 @@ def main(argv=None) -> int:
                     help=f"screen variants timed beside the default, of {','.join(STUDIES)} "
                          "(empty: none)")
     ap.add_argument("--tag", default="", help="suffix of the output files' name")
+    ap.add_argument("--parts", default="",
+                    help="time only these parts, comma-separated (e.g. 'screen' under a "
+                         "profiler; default: every part)")
     ap.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
     a = ap.parse_args(argv)
     studies = tuple(x for x in a.studies.split(",") if x)
@@ -239,7 +260,7 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"--studies: unknown {unknown}; choose from {','.join(STUDIES)}")
     tab = run(a.domain, a.layer, a.heads, a.N, a.B, a.K, a.repeats, a.out, a.capacity,
-              studies, a.tag)
+              studies, a.tag, tuple(x for x in a.parts.split(",") if x))
     tab.write()
     print(tab.markdown())
     return 0

@@ -88,7 +88,7 @@ SCREEN_MAX_SPLITS = 512
 def _scan_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, BK: int, H: int, S: int, C: int, K: int,
                  page: int, max_pages: int, has_scale: bool, pairs, lane_sums: bool,
                  interpret: bool, contiguous: bool, BQ: int, screen: bool, norm_bound,
-                 fp8_mma: bool = False):
+                 fp8_mma: bool = False, ahead: bool = True):
     # contiguous keys: sequence b's rows start at b·page (one page each), no table lookups
     q_refs, (w_ref, hi_ref, th_ref, pt_ref) = refs[:Pq], refs[Pq:Pq + 4]
     k_refs = refs[Pq + 4:Pq + 4 + Pk]
@@ -110,15 +110,20 @@ def _scan_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, BK: int, H: int, S: int,
     start, stop = split_key_tiles(0, jnp.max(hi), BK, S, s)
     lanes = jnp.arange(BK, dtype=jnp.int32)
 
-    def scored(j):
-        ids = j * BK + lanes
+    def tile_row(j):   # the first key row of tile j
         if contiguous:
-            row0 = b * page + j * BK
-        else:
-            pg = jnp.max(pt_ref[pl.ds(b * max_pages + j // tpp, 1)])   # the tile's page
-            row0 = pg * page + (j % tpp) * BK
+            return b * page + j * BK
+        pg = jnp.max(pt_ref[pl.ds(b * max_pages + j // tpp, 1)])   # the tile's page
+        return pg * page + (j % tpp) * BK
+
+    def tile_scale(j):
+        return sc_ref[pl.ds(tile_row(j), BK)] if has_scale else jnp.ones((BK,), jnp.float32)
+
+    def scored(j, scale=None):
+        ids = j * BK + lanes
+        row0 = tile_row(j)
         kp = [k_ref[pl.ds(row0, BK), :] for k_ref in k_refs]
-        scale = sc_ref[pl.ds(row0, BK)] if has_scale else jnp.ones((BK,), jnp.float32)
+        scale = tile_scale(j) if scale is None else scale
         sc = score_tile(qp, wv, kp, scale, BQ=BQ, H=H, pairs=pairs, layout=tiles.layout,
                         lane_sums=lane_sums, fp8_mma=fp8_mma)
         if screen:
@@ -126,16 +131,26 @@ def _scan_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, BK: int, H: int, S: int,
         return sc, ids
 
     if screen:   # no compaction (it would rank upper bounds): a full buffer is an overflow
+        # ``ahead``: each tile's scales are read one tile ahead (the compiler pipelines the
+        # key tiles' loads, not a plain load: a scale read in its own tile waits on memory
+        # there), the last tile re-reading its own (an index inside the split: never out of
+        # range); the head weights, one query's, are read once into registers.
+        last = jnp.maximum(stop - 1, 0)
+        if ahead:
+            wv = wv()
+
         def tile_s(j, carry):
-            count, appended = carry
-            sc, ids = scored(j)
+            count, appended, scale = carry
+            nxt = tile_scale(jnp.minimum(j + 1, last)) if ahead else scale
+            sc, ids = scored(j, scale if ahead else None)
             (count, _, _), n = rec.append_scored_tile(
                 rk_ref, ri_ref, base, (count, theta0, jnp.zeros_like(count)), sc, ids, None,
                 hi, C=C, size=size)
-            return count, appended + n
+            return count, appended + n, nxt
 
         zero = jnp.zeros_like(theta0)
-        count, appended = lax.fori_loop(start, stop, tile_s, (zero, zero))
+        first = tile_scale(jnp.minimum(start, last)) if ahead else jnp.ones((BK,), jnp.float32)
+        count, appended, _ = lax.fori_loop(start, stop, tile_s, (zero, zero, first))
     else:
         def tile(j, state):
             sc, ids = scored(j)
@@ -213,17 +228,19 @@ def screen_margin_coefficient(q, w, k_dtype, f16=None):
 
 @functools.partial(jax.jit, static_argnames=("K", "S", "C", "BK", "page", "tiles", "H", "pairs",
                                              "lane_sums", "interpret", "contiguous", "slots",
-                                             "norm_bound", "fp8_mma"))
+                                             "norm_bound", "fp8_mma", "ahead"))
 def decode_scan(q, w, hi, theta0, page_table, k, scale, coef=None, *, K, S, C, BK, page, tiles,
                 H, pairs, lane_sums, interpret, contiguous=False, slots=SLOTS, norm_bound=None,
-                fp8_mma=False):
+                fp8_mma=False, ahead=True):
     """The scan kernel over each sequence's keys for its ``slots`` query slots.
 
     ``coef`` None: the canonical scores (the dense kernel's 4-slot tile) from thresholds
     ``theta0``, with compaction (:func:`pallas_kernels.records.scan_tiles`). ``coef`` [T]:
     the screen — each key's upper bound (:func:`screen_upper`) against ``theta0``, no
     compaction; ``appended > C`` marks a buffer that overflowed. ``fp8_mma``: FP8 query and
-    key pieces multiplied fp8 × fp8 (:func:`screen_records`' timing study only)."""
+    key pieces multiplied fp8 × fp8 (:func:`screen_records`' timing study only). ``ahead``
+    (the screen): each tile's key scales read a tile ahead and the head weights once
+    (False: in each tile, as the canonical scan reads them; the same bounds either way)."""
     T = hi.shape[0]
     B = T // slots
     size = T * S * C
@@ -233,7 +250,8 @@ def decode_scan(q, w, hi, theta0, page_table, k, scale, coef=None, *, K, S, C, B
                              S=S, C=C, K=K, page=page, max_pages=page_table.shape[1],
                              has_scale=has_scale, pairs=pairs, lane_sums=lane_sums,
                              interpret=interpret, contiguous=contiguous, BQ=slots,
-                             screen=screen, norm_bound=norm_bound, fp8_mma=fp8_mma)
+                             screen=screen, norm_bound=norm_bound, fp8_mma=fp8_mma,
+                             ahead=ahead)
     i32 = jnp.int32
     out_shape = (jax.ShapeDtypeStruct((size,), i32), jax.ShapeDtypeStruct((size,), i32),
                  jax.ShapeDtypeStruct((T * S,), i32), jax.ShapeDtypeStruct((T * S,), i32))
@@ -473,14 +491,16 @@ def witness_threshold(prep: Prepared, ids, lengths, M: int, K: int, *, interpret
 
 def screen_records(prep: Prepared, q, w, theta, lengths, K: int, *, splits=None,
                    interpret=None, key_tile: int = SCREEN_KEY_TILE, norm="auto",
-                   warps: int = 0, stages: int = 0, fp8_mma: bool = False, mma="auto"):
+                   warps: int = 0, stages: int = 0, fp8_mma: bool = False, mma="auto",
+                   ahead: bool = True):
     """The screen (one query slot per sequence, M = 1): record buffers of the keys whose upper
     bound clears ``theta`` [B] (order keys of the bounds and ids [B, S, C]; counts ≤ C and
     appended [B, S]; appended > C: that buffer overflowed). The upper bounds are ≥ the
     canonical scores, so every key whose canonical score clears ``theta`` is recorded unless
     a buffer overflowed. ``warps``, ``stages``: the kernel's Triton warps and pipeline stages
     (0: the scan's, ``prep.tiles``); the bound holds for any (its margin covers any scorer's
-    summation order).
+    summation order). ``ahead``: the key scales read a tile ahead, the weights once
+    (:func:`decode_scan`; False: read in each tile — a timing study, the same records).
 
     ``mma``: the operand type of the screen's MMA. ``"auto"``: float16 for FP8 keys — each
     query row scaled by a power of two into float16 (:func:`scaled_f16_pieces`, its weights
@@ -523,7 +543,7 @@ def screen_records(prep: Prepared, q, w, theta, lengths, K: int, *, splits=None,
                                                  num_stages=stages or prep.tiles.num_stages),
                        H=ops.H, pairs=ops.pairs, lane_sums=False,
                        interpret=interpret, contiguous=prep.contiguous, slots=1,
-                       norm_bound=nb, fp8_mma=ops.fp8_mma)
+                       norm_bound=nb, fp8_mma=ops.fp8_mma, ahead=ahead)
 
 
 def gather_candidates(ri, cnt, capacity: int):

@@ -133,6 +133,27 @@ def test_gpu_compiled_screen_bound_holds_on_every_key():
                  splits=4)                                  # each key's norm, in registers
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_screen_reading_scales_ahead_records_what_each_tile_reads(paged):
+    """The screen reads each tile's key scales a tile ahead (and the weights once): the same
+    records, counts and appended numbers, bitwise, as reading them in each tile — with
+    splits holding no visible key, an empty sequence and a split of one tile."""
+    rng = np.random.default_rng(11)
+    B, N = 3, 512
+    q, k, s, w = _problem(rng, B, N, "fp8", jnp.bfloat16)
+    s = s * jnp.asarray(rng.uniform(0.5, 2.0, size=s.shape), jnp.float32)
+    lengths = jnp.array([N, 0, 70], jnp.int32)
+    kp, sp, pt = (k, s, None) if not paged else _paged(k, s, 64, rng)
+    prep = kd.prepare(q, w, kp, sp, pt)
+    theta = jnp.full((B,), kd.THETA_NONE, jnp.int32)
+    got = [kd.screen_records(prep, q, w, theta, lengths, N, splits=8, interpret=True,
+                             ahead=ahead) for ahead in (True, False)]
+    for x, y in zip(*got):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    cnt = np.asarray(got[0][2])
+    assert cnt[0].sum() == N and cnt[1].sum() == 0 and cnt[2].sum() == 70
+
+
 def _steps(q0, k, s, w, lengths, K, steps, rng, change=None, page=None):
     """Consecutive screened and canonical steps from the same witnesses; both against
     dense_topk. Returns how often the screen certified the step."""
@@ -236,9 +257,20 @@ def test_decode_parts_benchmark_runs_on_cpu(tmp_path):
     assert {"screened select", "screened select, sorted pool", "screen splits=16"} <= set(parts)
     assert sum(p.startswith("screen fp8 x fp8 MMA, not certified") for p in parts) == 1
     assert sum(p.startswith("screen bf16 MMA, canonical pieces") for p in parts) == 1
+    assert "screen, scales and weights read in each tile (records bitwise the same)" in parts
     assert any("sorted pool" in n and "bitwise" in n for n in saved["notes"])
     assert all(r["ms"] > 0 for r in saved["rows"])
     assert (tmp_path / "decode_parts_cpu.md").exists()
+    # --parts: only the named parts are timed (their share of the step unknown)
+    with pytest.raises(ValueError, match="nope"):
+        decode_parts.main(["--N", "2048", "--B", "2", "--K", "32", "--repeats", "1",
+                           "--studies", "", "--parts", "screen,nope", "--out", str(tmp_path)])
+    assert decode_parts.main(["--N", "2048", "--B", "2", "--K", "32", "--repeats", "1",
+                              "--studies", "", "--parts", "screen,gather", "--tag", "two",
+                              "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "decode_parts_two.json").read_text())["rows"]
+    assert [r["part"] for r in rows] == ["screen", "gather"]
+    assert all(r["share"] is None and r["ms"] > 0 for r in rows)
 
 
 def test_fp8_mma_screen_study_is_the_screen_on_queries_exact_in_fp8():
