@@ -30,6 +30,9 @@ of ``--repeats`` calls after warm-up):
 * ``screen, scales and weights read in each tile``: the screen without reading the key
   scales a tile ahead and the head weights once (``screen_records(ahead=False)``), with
   whether its records are bitwise the default's;
+* ``screen, query tile read with each key tile``: the query's operand rows copied from
+  memory (L2) into shared memory beside each key tile (``screen_records(query_in_loop=True)``)
+  instead of loaded once into registers and stored to shared memory per tile;
 * ``screen bf16 MMA, canonical pieces``: the screen multiplying the canonical bf16 query
   pieces (``screen_records(mma="bf16")``) instead of the float16 scaled rows;
 * ``screen BK=… warps=… stages=…``: the screen at other tiles, Triton warps and pipeline
@@ -71,7 +74,7 @@ class Shape(NamedTuple):
 
 
 #: The screen variants timed beside the default (``--studies``).
-STUDIES = ("mma", "ahead", "tiles", "warps", "splits", "fp8")
+STUDIES = ("mma", "ahead", "query", "tiles", "warps", "splits", "fp8")
 
 
 def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, out: str,
@@ -159,6 +162,12 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
         same = all(bool(jnp.array_equal(x, y)) for x, y in zip(f(*screen_args),
                                                                 f_screen(*screen_args)))
         variants.append((f"screen, scales and weights read in each tile (records "
+                         f"{'bitwise the same' if same else 'DIFFER'})", f, screen_args))
+    if "query" in studies:   # the query tile copied from memory with each key tile
+        f = screen_variant(query_in_loop=True)
+        same = all(bool(jnp.array_equal(x, y)) for x, y in zip(f(*screen_args),
+                                                                f_screen(*screen_args)))
+        variants.append((f"screen, query tile read with each key tile (records "
                          f"{'bitwise the same' if same else 'DIFFER'})", f, screen_args))
     for tile in (64, 128, 256) if "tiles" in studies else ():
         for norm in ("auto", None):
