@@ -22,7 +22,10 @@ MMA operand of a bf16 ``wgmma`` as it is, and converting it inside the kernel
 puts a register pass (narrow shared-memory loads and unpacks) on the critical
 path of every key tile; widened bf16 tiles are fed to ``wgmma`` straight from
 shared memory. The price is a bf16 copy of the keys (2 bytes per element
-instead of 1).
+instead of 1). The decode kernels read FP8 keys as stored and widen them in
+registers; the decode screen multiplies them in float16 against query rows
+scaled by powers of two (``scaled_f16_pieces``): e4m3 → float16 is one
+conversion per two elements on sm_90, e4m3 → bf16 four.
 """
 
 from __future__ import annotations
