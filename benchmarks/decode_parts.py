@@ -27,12 +27,12 @@ of ``--repeats`` calls after warm-up):
   fp8 × fp8 MMA instead of widening each key to bf16 in registers — a timing study of that
   widening and MMA (``screen_records(fp8_mma=True)``: its margin does not cover the rounding,
   so no step uses it), with its records per query beside the certified screen's;
-* ``screen, scales and weights read in each tile``: the screen without reading the key
-  scales a tile ahead and the head weights once (``screen_records(ahead=False)``), with
-  whether its records are bitwise the default's;
+* ``screen, scales read a tile ahead, weights once``: the screen reading each tile's key
+  scales one tile ahead (a plain load the compiler does not pipeline) and the head weights
+  once (``screen_records(ahead=True)``), with whether its records are bitwise the default's;
 * ``screen, query tile read with each key tile``: the query's operand rows copied from
   memory (L2) into shared memory beside each key tile (``screen_records(query_in_loop=True)``)
-  instead of loaded once into registers and stored to shared memory per tile;
+  instead of held in registers and stored to shared memory for each tile;
 * ``screen bf16 MMA, canonical pieces``: the screen multiplying the canonical bf16 query
   pieces (``screen_records(mma="bf16")``) instead of the float16 scaled rows;
 * ``screen BK=… warps=… stages=…``: the screen at other tiles, Triton warps and pipeline
@@ -75,6 +75,23 @@ class Shape(NamedTuple):
 
 #: The screen variants timed beside the default (``--studies``).
 STUDIES = ("mma", "ahead", "query", "tiles", "warps", "splits", "fp8")
+
+
+#: The parts timed in every run (``--parts`` picks among them; the studies follow them).
+PARTS = ("step", "witness", "screen", "screened", "scan", "gather", "update", "screened select",
+         "screened select, sorted pool", "overflow update", "records select",
+         "top_k rows all slots", "top_k rows real slots")
+
+
+def chosen(parts, only=()):
+    """The (name, function, args) of ``parts`` to time: those named in ``only`` (empty: all,
+    studies included; else only those parts, no study)."""
+    if not only:
+        return list(parts)
+    unknown = sorted(set(only) - set(PARTS))
+    if unknown:
+        raise ValueError(f"decode_parts: parts {unknown} unknown; the parts: {list(PARTS)}")
+    return [p for p in parts if p[0] in only]
 
 
 def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, out: str,
@@ -157,11 +174,11 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
         recorded = float(jnp.mean(jnp.sum(f(*screen_args)[2], axis=1)))
         variants.append((f"screen bf16 MMA, canonical pieces ({recorded:.0f} recorded/query)",
                          f, screen_args))
-    if "ahead" in studies:   # the default reads each tile's scales a tile ahead
-        f = screen_variant(ahead=False)
+    if "ahead" in studies:   # the scales read a tile ahead, the weights once
+        f = screen_variant(ahead=True)
         same = all(bool(jnp.array_equal(x, y)) for x, y in zip(f(*screen_args),
                                                                 f_screen(*screen_args)))
-        variants.append((f"screen, scales and weights read in each tile (records "
+        variants.append((f"screen, scales read a tile ahead, weights once (records "
                          f"{'bitwise the same' if same else 'DIFFER'})", f, screen_args))
     if "query" in studies:   # the query tile copied from memory with each key tile
         f = screen_variant(query_in_loop=True)
@@ -229,14 +246,10 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
                     f"witnesses): {'bitwise' if same_select else 'MISMATCH'}"] + study_notes)
     if not same_select:
         raise AssertionError("select_and_witness differs from the sorted pool's selection")
-    names = [name for name, _, _ in parts]
-    unknown = sorted(set(only) - set(names))
-    if unknown:
-        raise ValueError(f"decode_parts: parts {unknown} unknown; the parts: {names}")
+    if [name for name, _, _ in parts[:len(PARTS)]] != list(PARTS):
+        raise AssertionError("decode_parts: the timed parts differ from PARTS")
     t_step = None
-    for name, f, a in parts:
-        if only and name not in only:
-            continue
+    for name, f, a in chosen(parts, only):
         t = timeit(f, *a, warmup=2, repeats=repeats)
         t_step = t.seconds if name == "step" else t_step
         tab.add(dict(part=name, ms=t.seconds * 1e3,
@@ -268,8 +281,12 @@ def main(argv=None) -> int:
     unknown = sorted(set(studies) - set(STUDIES))
     if unknown:
         ap.error(f"--studies: unknown {unknown}; choose from {','.join(STUDIES)}")
+    only = tuple(x for x in a.parts.split(",") if x)
+    unknown = sorted(set(only) - set(PARTS))
+    if unknown:
+        ap.error(f"--parts: unknown {unknown}; choose from {','.join(PARTS)}")
     tab = run(a.domain, a.layer, a.heads, a.N, a.B, a.K, a.repeats, a.out, a.capacity,
-              studies, a.tag, tuple(x for x in a.parts.split(",") if x))
+              studies, a.tag, only)
     tab.write()
     print(tab.markdown())
     return 0

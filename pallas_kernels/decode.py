@@ -88,7 +88,7 @@ SCREEN_MAX_SPLITS = 512
 def _scan_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, BK: int, H: int, S: int, C: int, K: int,
                  page: int, max_pages: int, has_scale: bool, pairs, lane_sums: bool,
                  interpret: bool, contiguous: bool, BQ: int, screen: bool, norm_bound,
-                 fp8_mma: bool = False, ahead: bool = True, query_in_loop: bool = False):
+                 fp8_mma: bool = False, ahead: bool = False, query_in_loop: bool = False):
     # contiguous keys: sequence b's rows start at b·page (one page each), no table lookups
     q_refs, (w_ref, hi_ref, th_ref, pt_ref) = refs[:Pq], refs[Pq:Pq + 4]
     k_refs = refs[Pq + 4:Pq + 4 + Pk]
@@ -141,18 +141,18 @@ def _scan_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, BK: int, H: int, S: int,
         if ahead:
             wv = wv()
 
-        def tile_s(j, carry):
-            count, appended, scale = carry
-            nxt = tile_scale(jnp.minimum(j + 1, last)) if ahead else scale
-            sc, ids = scored(j, scale if ahead else None)
+        def tile_s(j, carry):   # carry: count, appended (and, ahead, this tile's scales)
+            # the next tile's scales are loaded first, before this tile's record stores
+            nxt = (tile_scale(jnp.minimum(j + 1, last)),) if ahead else ()
+            sc, ids = scored(j, carry[2] if ahead else None)
             (count, _, _), n = rec.append_scored_tile(
-                rk_ref, ri_ref, base, (count, theta0, jnp.zeros_like(count)), sc, ids, None,
-                hi, C=C, size=size)
-            return count, appended + n, nxt
+                rk_ref, ri_ref, base, (carry[0], theta0, jnp.zeros_like(carry[0])), sc, ids,
+                None, hi, C=C, size=size)
+            return (count, carry[1] + n) + nxt
 
         zero = jnp.zeros_like(theta0)
-        first = tile_scale(jnp.minimum(start, last)) if ahead else jnp.ones((BK,), jnp.float32)
-        count, appended, _ = lax.fori_loop(start, stop, tile_s, (zero, zero, first))
+        first = (tile_scale(jnp.minimum(start, last)),) if ahead else ()
+        count, appended = lax.fori_loop(start, stop, tile_s, (zero, zero) + first)[:2]
     else:
         def tile(j, state):
             sc, ids = scored(j)
@@ -234,7 +234,7 @@ def screen_margin_coefficient(q, w, k_dtype, f16=None):
                                              "query_in_loop"))
 def decode_scan(q, w, hi, theta0, page_table, k, scale, coef=None, *, K, S, C, BK, page, tiles,
                 H, pairs, lane_sums, interpret, contiguous=False, slots=SLOTS, norm_bound=None,
-                fp8_mma=False, ahead=True, query_in_loop=False):
+                fp8_mma=False, ahead=False, query_in_loop=False):
     """The scan kernel over each sequence's keys for its ``slots`` query slots.
 
     ``coef`` None: the canonical scores (the dense kernel's 4-slot tile) from thresholds
@@ -242,8 +242,9 @@ def decode_scan(q, w, hi, theta0, page_table, k, scale, coef=None, *, K, S, C, B
     the screen — each key's upper bound (:func:`screen_upper`) against ``theta0``, no
     compaction; ``appended > C`` marks a buffer that overflowed. ``fp8_mma``: FP8 query and
     key pieces multiplied fp8 × fp8 (:func:`screen_records`' timing study only). ``ahead``
-    (the screen): each tile's key scales read a tile ahead and the head weights once
-    (False: in each tile, as the canonical scan reads them; the same bounds either way).
+    (the screen; a timing study): each tile's key scales read a tile ahead and the head
+    weights once (False: in each tile, as the canonical scan reads them; the same bounds
+    either way).
     ``query_in_loop``: the query tile read from memory with each key tile (a timing study;
     the same scores)."""
     T = hi.shape[0]
@@ -497,7 +498,7 @@ def witness_threshold(prep: Prepared, ids, lengths, M: int, K: int, *, interpret
 def screen_records(prep: Prepared, q, w, theta, lengths, K: int, *, splits=None,
                    interpret=None, key_tile: int = SCREEN_KEY_TILE, norm="auto",
                    warps: int = 0, stages: int = 0, fp8_mma: bool = False, mma="auto",
-                   ahead: bool = True, query_in_loop: bool = False):
+                   ahead: bool = False, query_in_loop: bool = False):
     """The screen (one query slot per sequence, M = 1): record buffers of the keys whose upper
     bound clears ``theta`` [B] (order keys of the bounds and ids [B, S, C]; counts ≤ C and
     appended [B, S]; appended > C: that buffer overflowed). The upper bounds are ≥ the
@@ -505,7 +506,7 @@ def screen_records(prep: Prepared, q, w, theta, lengths, K: int, *, splits=None,
     a buffer overflowed. ``warps``, ``stages``: the kernel's Triton warps and pipeline stages
     (0: the scan's, ``prep.tiles``); the bound holds for any (its margin covers any scorer's
     summation order). ``ahead``: the key scales read a tile ahead, the weights once
-    (:func:`decode_scan`; False: read in each tile — a timing study, the same records);
+    (:func:`decode_scan`; a timing study, the same records);
     ``query_in_loop``: the query tile read with each key tile (a timing study).
 
     ``mma``: the operand type of the screen's MMA. ``"auto"``: float16 for FP8 keys — each

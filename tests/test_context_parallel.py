@@ -168,8 +168,11 @@ def _child():
     _report("shared_tau", not problems, problems)
 
     # per device: survivors with the shared τ against the local seeds' τ alone
-    per = {share: cp.per_device_stats(q, k[:1000], w, lo=lo, hi=hi, mesh=mesh(8), config=cfg,
-                                      share_threshold=share) for share in (True, False)}
+    def device_stats(share):     # one program each (op by op, every op compiles alone)
+        return jax.jit(lambda q, k, w, lo, hi: cp.per_device_stats(
+            q, k, w, lo=lo, hi=hi, mesh=mesh(8), config=cfg, share_threshold=share))
+
+    per = {share: device_stats(share)(q, k[:1000], w, lo, hi) for share in (True, False)}
     sv = {share: np.asarray(st.survivors).sum(axis=1) for share, st in per.items()}
     _report("shared_tau_prunes_more", np.all(sv[True] <= sv[False]) and np.any(sv[True] < sv[False]),
             f"survivors per device shared {sv[True].tolist()} local {sv[False].tolist()}")

@@ -115,12 +115,15 @@ def _child():
 
     try:   # the same state into both: the shared τ_w is the unsharded one
         m = mesh(4)
+        one = jax.jit(lambda q, w, s: dosa_jax.decode_topk(q, k32, w, s, lengths=lengths,
+                                                           config=cfg))
+        shd = jax.jit(lambda q, w, s: dosa_jax.sharded_decode_topk(
+            q, k32, w, s, mesh=m, lengths=lengths, config=cfg))
         st = dosa_jax.decode_init(B, cfg)
         good = True
         for q, w in queries(seed=2):
-            r1, nxt = dosa_jax.decode_topk(q, k32, w, st, lengths=lengths, config=cfg)
-            r2, _ = dosa_jax.sharded_decode_topk(q, k32, w, st, mesh=m, lengths=lengths,
-                                                 config=cfg)
+            r1, nxt = one(q, w, st)
+            r2, _ = shd(q, w, st)
             good &= bool(np.array_equal(np.asarray(r1.stats.tau_witness),
                                         np.asarray(r2.stats.tau_witness)))
             good &= bool(np.array_equal(np.asarray(r1.stats.candidates),
@@ -139,9 +142,10 @@ def _child():
         m = mesh(4)
         st = dosa_jax.DecodeState(jnp.tile(jnp.arange(4 * K, dtype=jnp.int32)[None], (B, 1)))
         q, w = queries(seed=3)[0]
-        r1, _ = dosa_jax.decode_topk(q, k32, w, st, lengths=lengths, config=ocfg)
-        r2, _ = dosa_jax.sharded_decode_topk(q, k32, w, st, mesh=m, lengths=lengths,
-                                             config=ocfg)
+        r1, _ = jax.jit(lambda q, w, s: dosa_jax.decode_topk(
+            q, k32, w, s, lengths=lengths, config=ocfg))(q, w, st)
+        r2, _ = jax.jit(lambda q, w, s: dosa_jax.sharded_decode_topk(
+            q, k32, w, s, mesh=m, lengths=lengths, config=ocfg))(q, w, st)
         over = int(np.asarray(r2.stats.overflow).sum())
         _report("overflow", bitwise(r1, r2) and over > 0, f"overflowed sequences: {over}")
     except Exception as e:  # noqa: BLE001
@@ -229,8 +233,8 @@ def _child():
                                                   config=cfg)[0].scores.clip(-1e9).sum()
         loss2 = lambda q, w: dosa_jax.sharded_decode_topk(
             q, k32, w, st, mesh=m, lengths=lengths, config=cfg)[0].scores.clip(-1e9).sum()
-        g1 = jax.grad(loss1, argnums=(0, 1))(q, w)
-        g2 = jax.grad(loss2, argnums=(0, 1))(q, w)
+        g1 = jax.jit(jax.grad(loss1, argnums=(0, 1)))(q, w)
+        g2 = jax.jit(jax.grad(loss2, argnums=(0, 1)))(q, w)
         ok = all(np.allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
                  for a, b in zip(g1, g2))
         nonzero = all(float(np.abs(np.asarray(a)).max()) > 0 for a in g1)

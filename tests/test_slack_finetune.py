@@ -15,6 +15,7 @@ from benchmarks import slack_finetune as sf
 from dosa_jax.lm import checkpoint
 
 
+@pytest.mark.slow
 def test_quick_run_writes_rows_weights_and_timings(tmp_path):
     out = str(tmp_path)
     assert sf.main(["--quick", "--out", out]) == 0

@@ -86,6 +86,7 @@ def _measured(params, batch, tc, retained_heads):
     return surv, work
 
 
+@pytest.mark.slow
 def test_positive_weight_lowers_the_slack_loss_and_the_measured_work(setup):
     lm, _, streams = setup
     tokens = train.sample_batch(1234, 0, streams, TC.idx_batch, TC.seq_len)
@@ -131,6 +132,7 @@ def test_cli_rejects_a_negative_lambda(tmp_path, capsys):
     assert "--slack-layer-scale: slack_layer_scale must hold" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_layer_scales_weight_each_layers_slack_gradient(setup):
     """The chained regularisers add λ · ∇ slack_objective, whose layer l term is scaled by
     slack_layer_scale[l]: a factor 0 leaves that layer's updates exactly zero, and the
@@ -141,19 +143,22 @@ def test_layer_scales_weight_each_layers_slack_gradient(setup):
     p = jax.tree_util.tree_map(jnp.array, params)
     zeros = jax.tree_util.tree_map(jnp.zeros_like, p)
 
-    def added(scale, lam=2.0):
-        tc = dataclasses.replace(TC, slack_layer_scale=scale)
-        chain = optax.chain(*train.slack_regularizers(tc, jnp.float32(lam)))
-        up, _ = chain.update(zeros, chain.init(p), p, batch=batch)
-        grad = jax.grad(lambda q: train.slack_objective(q, batch, tc)[0])(p)
-        return up, grad
+    tcs = [dataclasses.replace(TC, slack_layer_scale=s) for s in ((0.0, 1.0), (1.0, 0.0),
+                                                                   (3.0, 0.5))]
+
+    def added(p, batch, lam=2.0):
+        """The chained updates under each of ``tcs``, and ∇ slack_objective under the last."""
+        ups = []
+        for tc in tcs:
+            chain = optax.chain(*train.slack_regularizers(tc, jnp.float32(lam)))
+            ups.append(chain.update(zeros, chain.init(p), p, batch=batch)[0])
+        return ups, jax.grad(lambda q: train.slack_objective(q, batch, tcs[-1])[0])(p)
 
     h = str(TC.indexers[0].n_heads)
-    only1, g1 = added((0.0, 1.0))
+    # one program (op by op, the three updates and the gradient compile hundreds of programs)
+    (only1, only0, mixed), gm = jax.jit(added)(p, batch)
     assert all(bool(jnp.all(x == 0)) for x in jax.tree_util.tree_leaves(only1[h][0]))
     assert any(bool(jnp.any(x != 0)) for x in jax.tree_util.tree_leaves(only1[h][1]))
-    only0, _ = added((1.0, 0.0))
-    mixed, gm = added((3.0, 0.5))
     for a, b, c, g in zip(*(jax.tree_util.tree_leaves(t) for t in (mixed, only0, only1, gm))):
         assert jnp.allclose(a, 3.0 * b + 0.5 * c, rtol=1e-5, atol=1e-7)
         assert jnp.allclose(a, 2.0 * g, rtol=1e-4, atol=1e-6)    # λ · ∇ slack_objective
