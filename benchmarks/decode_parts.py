@@ -174,18 +174,15 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
         recorded = float(jnp.mean(jnp.sum(f(*screen_args)[2], axis=1)))
         variants.append((f"screen bf16 MMA, canonical pieces ({recorded:.0f} recorded/query)",
                          f, screen_args))
-    if "ahead" in studies:   # the scales read a tile ahead, the weights once
-        f = screen_variant(ahead=True)
-        same = all(bool(jnp.array_equal(x, y)) for x, y in zip(f(*screen_args),
-                                                                f_screen(*screen_args)))
-        variants.append((f"screen, scales read a tile ahead, weights once (records "
-                         f"{'bitwise the same' if same else 'DIFFER'})", f, screen_args))
-    if "query" in studies:   # the query tile copied from memory with each key tile
-        f = screen_variant(query_in_loop=True)
-        same = all(bool(jnp.array_equal(x, y)) for x, y in zip(f(*screen_args),
-                                                                f_screen(*screen_args)))
-        variants.append((f"screen, query tile read with each key tile (records "
-                         f"{'bitwise the same' if same else 'DIFFER'})", f, screen_args))
+    for study, what, options in (   # the same records as the default screen, other loads
+            ("ahead", "scales read a tile ahead, weights once", dict(ahead=True)),
+            ("query", "query tile read with each key tile", dict(query_in_loop=True))):
+        if study in studies:
+            f = screen_variant(**options)
+            same = all(bool(jnp.array_equal(x, y)) for x, y in zip(f(*screen_args),
+                                                                    f_screen(*screen_args)))
+            variants.append((f"screen, {what} (records "
+                             f"{'bitwise the same' if same else 'DIFFER'})", f, screen_args))
     for tile in (64, 128, 256) if "tiles" in studies else ():
         for norm in ("auto", None):
             f = screen_variant(key_tile=tile, norm=norm)
