@@ -137,8 +137,8 @@ def _scan_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, BK: int, H: int, S: int,
         # key tiles' loads, not a plain load: a scale read in its own tile waits on memory
         # there), the last tile re-reading its own (an index inside the split: never out of
         # range); the head weights, one query's, are read once into registers.
-        last = jnp.maximum(stop - 1, 0)
         if ahead:
+            last = jnp.maximum(stop - 1, 0)
             wv = wv()
 
         def tile_s(j, carry):   # carry: count, appended (and, ahead, this tile's scales)
