@@ -174,20 +174,24 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
         recorded = float(jnp.mean(jnp.sum(f(*screen_args)[2], axis=1)))
         variants.append((f"screen bf16 MMA, canonical pieces ({recorded:.0f} recorded/query)",
                          f, screen_args))
-    for study, what, options in (   # the same records as the default screen, other loads
-            ("ahead", "scales read a tile ahead, weights once", dict(ahead=True)),
-            ("query", "query tile read with each key tile", dict(query_in_loop=True))):
-        if study in studies:
+    for need, what, options in (   # the same records as the default screen, other loads
+            (("ahead",), "scales read a tile ahead, weights once", dict(ahead=True)),
+            (("query",), "query tile read with each key tile", dict(query_in_loop=True)),
+            (("ahead", "query"), "scales a tile ahead, query tile with each key tile",
+             dict(ahead=True, query_in_loop=True))):
+        if all(x in studies for x in need):
             f = screen_variant(**options)
             same = all(bool(jnp.array_equal(x, y)) for x, y in zip(f(*screen_args),
                                                                     f_screen(*screen_args)))
             variants.append((f"screen, {what} (records "
                              f"{'bitwise the same' if same else 'DIFFER'})", f, screen_args))
     for tile in (64, 128, 256) if "tiles" in studies else ():
-        for norm in ("auto", None):
-            f = screen_variant(key_tile=tile, norm=norm)
+        for norm, ahead in (("auto", False), (None, False)) + (
+                (("auto", True),) if "ahead" in studies and tile == 128 else ()):
+            f = screen_variant(key_tile=tile, norm=norm, ahead=ahead)
             recorded = float(jnp.mean(jnp.sum(f(*screen_args)[2], axis=1)))
             variants.append((f"screen BK={tile} norm={'each key' if norm is None else 'dtype'}"
+                             f"{', scales ahead' if ahead else ''}"
                              f" ({recorded:.0f} recorded/query)", f, screen_args))
     for tile in (64, 128) if "warps" in studies else ():   # Triton warps and stages
         for warps in (2, 4, 8):

@@ -252,13 +252,16 @@ def test_decode_parts_benchmark_runs_on_cpu(tmp_path):
     saved = json.loads((tmp_path / "decode_parts_cpu.json").read_text())
     parts = [r["part"] for r in saved["rows"]]
     assert parts[:4] == ["step", "witness", "screen", "screened"]
-    assert sum(p.startswith("screen BK=") and "warps=" not in p for p in parts) == 6
+    assert sum(p.startswith("screen BK=") and "warps=" not in p for p in parts) == 7
+    assert sum(p.startswith("screen BK=128 norm=dtype, scales ahead") for p in parts) == 1
     assert sum(p.startswith("screen BK=") and "warps=" in p for p in parts) == 12
     assert {"screened select", "screened select, sorted pool", "screen splits=16"} <= set(parts)
     assert sum(p.startswith("screen fp8 x fp8 MMA, not certified") for p in parts) == 1
     assert sum(p.startswith("screen bf16 MMA, canonical pieces") for p in parts) == 1
     assert "screen, scales read a tile ahead, weights once (records bitwise the same)" in parts
     assert "screen, query tile read with each key tile (records bitwise the same)" in parts
+    assert ("screen, scales a tile ahead, query tile with each key tile (records bitwise the "
+            "same)") in parts
     assert any("sorted pool" in n and "bitwise" in n for n in saved["notes"])
     assert all(r["ms"] > 0 for r in saved["rows"])
     assert (tmp_path / "decode_parts_cpu.md").exists()
