@@ -80,7 +80,7 @@ STUDIES = ("mma", "ahead", "query", "tiles", "warps", "splits", "fp8")
 #: The parts timed in every run (``--parts`` picks among them; the studies follow them).
 PARTS = ("step", "witness", "screen", "screened", "scan", "gather", "update", "screened select",
          "screened select, sorted pool", "overflow update", "records select",
-         "top_k rows all slots", "top_k rows real slots")
+         "top_k rows all slots", "top_k rows real slots", "kth_largest rows all slots")
 
 
 def chosen(parts, only=()):
@@ -101,6 +101,7 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
                                  witness_budget)
     from pallas_kernels import decode as kd
     from pallas_kernels import records as rec
+    from pallas_kernels.kth_largest import kth_largest
     from dosa_jax.selection import INT32_MIN
     from pallas_kernels.common import interpret_default, pad_axis
 
@@ -166,6 +167,9 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
     f_select_sorted = jax.jit(select_sorted)
     f_top_all = jax.jit(lambda wk: lax.top_k(wk, K)[0][:, K - 1])
     f_top_real = jax.jit(lambda wk: lax.top_k(wk[real], K)[0][:, K - 1])
+    f_kth = jax.jit(lambda wk: kth_largest(wk, K))   # τ_w as the step takes it
+    if not bool(jnp.array_equal(f_kth(wk), f_top_all(wk))):
+        raise AssertionError("kth_largest differs from lax.top_k's K-th value")
 
     screen_args = (q, w, k, s, theta, n)
     variants = []
@@ -229,7 +233,8 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
         (f_recwit, (rk, ri, cnt, wk, wids)),
         (f_selrec, (rk, ri, cnt)),
         (f_top_all, (wk,)),
-        (f_top_real, (wk,))), strict=True)] + variants
+        (f_top_real, (wk,)),
+        (f_kth, (wk,))), strict=True)] + variants
     meta = run_meta(Shape(domain, layer, H, N, B, K, cap))
     meta["command"] = "python -m benchmarks.decode_parts " + " ".join(sys.argv[1:])
     tab = Table("decode_parts" + (f"_{tag}" if tag else ""), f"Decode step by part: {domain} {layer} H={H}, N={N}, B={B}, "

@@ -6,7 +6,8 @@ sequence in full and keeps only keys at or above the witness threshold τ_w:
 1. **witness scores** — the previous step's distinct visible ids of each sequence are
    gathered (a [B, W, D] table, W = 4·K: small against N) and scored by the seed kernel
    (:func:`pallas_kernels.seeds.seed_scores`, the shared scoring tile); τ_w is each
-   query's K-th largest witness order key (``THETA_NONE`` with fewer than K witnesses).
+   query's K-th largest witness order key (``THETA_NONE`` with fewer than K witnesses),
+   found without a sort (:func:`pallas_kernels.kth_largest.kth_largest`).
 2. **screen** (one query per sequence, FP8 or bf16 keys: :func:`screens`) — the scan kernel
    (:func:`decode_scan`) with one query slot: grid (sequence, key split), each program
    streams its split of the sequence's keys in tiles of ``BK`` rows (contiguous, or the
@@ -59,6 +60,7 @@ from dosa_jax.selection import INT32_MIN, key_to_score
 from dosa_jax.tiling import round_up_to
 from pallas_kernels import numerics
 from pallas_kernels import records as rec
+from pallas_kernels.kth_largest import kth_largest
 from pallas_kernels.common import (BF16, FP8, ID_BITS, THETA_NONE, compiler_params,
                                    interpret_default, mma_pieces, pad_axis, scaled_f16_pieces,
                                    split_key_tiles)
@@ -486,7 +488,7 @@ def witness_threshold(prep: Prepared, ids, lengths, M: int, K: int, *, interpret
     wk = witness_keys(prep.ops, prep.kp, prep.scale, key_rows(prep, ids), first, M, prep.tiles,
                       interpret)
     if wk.shape[1] >= K:
-        kth = lax.top_k(wk if combine is None else combine(wk), K)[0][:, K - 1]
+        kth = kth_largest(wk if combine is None else combine(wk), K, interpret=interpret)
         theta = jnp.where(kth == INT32_MIN, THETA_NONE, kth)
     else:
         theta = jnp.full((B * SLOTS,), THETA_NONE, jnp.int32)
