@@ -30,6 +30,7 @@ of ``--repeats`` calls after warm-up):
 * ``screen, scales read a tile ahead, weights once``: the screen reading each tile's key
   scales one tile ahead (a plain load the compiler does not pipeline) and the head weights
   once (``screen_records(ahead=True)``), with whether its records are bitwise the default's;
+  also with 4 pipeline stages for the key tiles (3 by default);
 * ``screen, query tile read with each key tile``: the query's operand rows copied from
   memory (L2) into shared memory beside each key tile (``screen_records(query_in_loop=True)``)
   instead of held in registers and stored to shared memory for each tile;
@@ -180,6 +181,7 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
                          f, screen_args))
     for need, what, options in (   # the same records as the default screen, other loads
             (("ahead",), "scales read a tile ahead, weights once", dict(ahead=True)),
+            (("ahead",), "scales a tile ahead, 4 stages", dict(ahead=True, stages=4)),
             (("query",), "query tile read with each key tile", dict(query_in_loop=True)),
             (("ahead", "query"), "scales a tile ahead, query tile with each key tile",
              dict(ahead=True, query_in_loop=True))):

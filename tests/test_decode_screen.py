@@ -259,6 +259,7 @@ def test_decode_parts_benchmark_runs_on_cpu(tmp_path):
     assert sum(p.startswith("screen fp8 x fp8 MMA, not certified") for p in parts) == 1
     assert sum(p.startswith("screen bf16 MMA, canonical pieces") for p in parts) == 1
     assert "screen, scales read a tile ahead, weights once (records bitwise the same)" in parts
+    assert "screen, scales a tile ahead, 4 stages (records bitwise the same)" in parts
     assert "screen, query tile read with each key tile (records bitwise the same)" in parts
     assert ("screen, scales a tile ahead, query tile with each key tile (records bitwise the "
             "same)") in parts
