@@ -41,7 +41,8 @@ of ``--repeats`` calls after warm-up):
 * ``overflow update``: the same from all records (``record_witnesses``, the overflow path);
 * ``records select``: the exact selection over all records (the overflow fallback alone);
 * ``top_k rows``: ``lax.top_k`` of the witness order keys over all 4 slots per sequence and
-  over the M real ones (what the padded slots cost).
+  over the M real ones (what the padded slots cost); ``kth_largest rows all slots``: the same
+  K-th value by ``pallas_kernels.kth_largest``, as the step takes τ_w (checked bitwise equal).
 
 Also per query: candidates, and whether its records overflowed the buffer.
 """
