@@ -27,13 +27,11 @@ of ``--repeats`` calls after warm-up):
   fp8 × fp8 MMA instead of widening each key to bf16 in registers — a timing study of that
   widening and MMA (``screen_records(fp8_mma=True)``: its margin does not cover the rounding,
   so no step uses it), with its records per query beside the certified screen's;
-* ``screen, scales read a tile ahead, weights once``: the screen reading each tile's key
-  scales one tile ahead (a plain load the compiler does not pipeline) and the head weights
-  once (``screen_records(ahead=True)``), with whether its records are bitwise the default's;
-  also with 4 pipeline stages for the key tiles (3 by default);
-* ``screen, query tile read with each key tile``: the query's operand rows copied from
-  memory (L2) into shared memory beside each key tile (``screen_records(query_in_loop=True)``)
-  instead of held in registers and stored to shared memory for each tile;
+* ``screen, scales read in each tile``: the screen reading each tile's key scales in that
+  tile and the head weights per tile (``screen_records(ahead=False)``) instead of a tile
+  ahead (a plain load the compiler does not pipeline) and once, with whether its records are
+  the default's, bitwise (every recorded id and key, each count); also the default read-ahead
+  with 4 pipeline stages for the key tiles (3 by default);
 * ``screen bf16 MMA, canonical pieces``: the screen multiplying the canonical bf16 query
   pieces (``screen_records(mma="bf16")``) instead of the float16 scaled rows;
 * ``screen BK=… warps=… stages=…``: the screen at other tiles, Triton warps and pipeline
@@ -76,7 +74,7 @@ class Shape(NamedTuple):
 
 
 #: The screen variants timed beside the default (``--studies``).
-STUDIES = ("mma", "ahead", "query", "tiles", "warps", "splits", "fp8")
+STUDIES = ("mma", "ahead", "tiles", "warps", "splits", "fp8")
 
 
 #: The parts timed in every run (``--parts`` picks among them; the studies follow them).
@@ -180,25 +178,19 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
         recorded = float(jnp.mean(jnp.sum(f(*screen_args)[2], axis=1)))
         variants.append((f"screen bf16 MMA, canonical pieces ({recorded:.0f} recorded/query)",
                          f, screen_args))
-    for need, what, options in (   # the same records as the default screen, other loads
-            (("ahead",), "scales read a tile ahead, weights once", dict(ahead=True)),
-            (("ahead",), "scales a tile ahead, 4 stages", dict(ahead=True, stages=4)),
-            (("query",), "query tile read with each key tile", dict(query_in_loop=True)),
-            (("ahead", "query"), "scales a tile ahead, query tile with each key tile",
-             dict(ahead=True, query_in_loop=True))):
-        if all(x in studies for x in need):
+    reference = f_screen(*screen_args)
+    for what, options in (("scales read in each tile", dict(ahead=False)),
+                          ("scales a tile ahead, 4 stages", dict(stages=4))):
+        if "ahead" in studies:   # the same records as the default screen, other loads
             f = screen_variant(**options)
-            same = all(bool(jnp.array_equal(x, y)) for x, y in zip(f(*screen_args),
-                                                                    f_screen(*screen_args)))
+            same = kd.same_records(f(*screen_args), reference)
             variants.append((f"screen, {what} (records "
                              f"{'bitwise the same' if same else 'DIFFER'})", f, screen_args))
     for tile in (64, 128, 256) if "tiles" in studies else ():
-        for norm, ahead in (("auto", False), (None, False)) + (
-                (("auto", True),) if "ahead" in studies and tile == 128 else ()):
-            f = screen_variant(key_tile=tile, norm=norm, ahead=ahead)
+        for norm in ("auto", None):
+            f = screen_variant(key_tile=tile, norm=norm)
             recorded = float(jnp.mean(jnp.sum(f(*screen_args)[2], axis=1)))
             variants.append((f"screen BK={tile} norm={'each key' if norm is None else 'dtype'}"
-                             f"{', scales ahead' if ahead else ''}"
                              f" ({recorded:.0f} recorded/query)", f, screen_args))
     for tile in (64, 128) if "warps" in studies else ():   # Triton warps and stages
         for warps in (2, 4, 8):

@@ -90,7 +90,7 @@ SCREEN_MAX_SPLITS = 512
 def _scan_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, BK: int, H: int, S: int, C: int, K: int,
                  page: int, max_pages: int, has_scale: bool, pairs, lane_sums: bool,
                  interpret: bool, contiguous: bool, BQ: int, screen: bool, norm_bound,
-                 fp8_mma: bool = False, ahead: bool = False, query_in_loop: bool = False):
+                 fp8_mma: bool = False, ahead: bool = True):
     # contiguous keys: sequence b's rows start at b·page (one page each), no table lookups
     q_refs, (w_ref, hi_ref, th_ref, pt_ref) = refs[:Pq], refs[Pq:Pq + 4]
     k_refs = refs[Pq + 4:Pq + 4 + Pk]
@@ -126,9 +126,7 @@ def _scan_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, BK: int, H: int, S: int,
         row0 = tile_row(j)
         kp = [k_ref[pl.ds(row0, BK), :] for k_ref in k_refs]
         scale = tile_scale(j) if scale is None else scale
-        q_tile = load_query_tile(q_refs, w_ref, b, BQ=BQ, H=H, layout=tiles.layout)[0] \
-            if query_in_loop else qp
-        sc = score_tile(q_tile, wv, kp, scale, BQ=BQ, H=H, pairs=pairs, layout=tiles.layout,
+        sc = score_tile(qp, wv, kp, scale, BQ=BQ, H=H, pairs=pairs, layout=tiles.layout,
                         lane_sums=lane_sums, fp8_mma=fp8_mma)
         if screen:
             sc = screen_upper(sc, kp[0], scale, coef, norm_bound)
@@ -232,11 +230,10 @@ def screen_margin_coefficient(q, w, k_dtype, f16=None):
 
 @functools.partial(jax.jit, static_argnames=("K", "S", "C", "BK", "page", "tiles", "H", "pairs",
                                              "lane_sums", "interpret", "contiguous", "slots",
-                                             "norm_bound", "fp8_mma", "ahead",
-                                             "query_in_loop"))
+                                             "norm_bound", "fp8_mma", "ahead"))
 def decode_scan(q, w, hi, theta0, page_table, k, scale, coef=None, *, K, S, C, BK, page, tiles,
                 H, pairs, lane_sums, interpret, contiguous=False, slots=SLOTS, norm_bound=None,
-                fp8_mma=False, ahead=False, query_in_loop=False):
+                fp8_mma=False, ahead=True):
     """The scan kernel over each sequence's keys for its ``slots`` query slots.
 
     ``coef`` None: the canonical scores (the dense kernel's 4-slot tile) from thresholds
@@ -244,11 +241,9 @@ def decode_scan(q, w, hi, theta0, page_table, k, scale, coef=None, *, K, S, C, B
     the screen — each key's upper bound (:func:`screen_upper`) against ``theta0``, no
     compaction; ``appended > C`` marks a buffer that overflowed. ``fp8_mma``: FP8 query and
     key pieces multiplied fp8 × fp8 (:func:`screen_records`' timing study only). ``ahead``
-    (the screen; a timing study): each tile's key scales read a tile ahead and the head
-    weights once (False: in each tile, as the canonical scan reads them; the same bounds
-    either way).
-    ``query_in_loop``: the query tile read from memory with each key tile (a timing study;
-    the same scores)."""
+    (the screen): each tile's key scales read a tile ahead and the head weights once
+    (False, a timing study: in each tile, as the canonical scan reads them; the same bounds
+    either way)."""
     T = hi.shape[0]
     B = T // slots
     size = T * S * C
@@ -259,7 +254,7 @@ def decode_scan(q, w, hi, theta0, page_table, k, scale, coef=None, *, K, S, C, B
                              has_scale=has_scale, pairs=pairs, lane_sums=lane_sums,
                              interpret=interpret, contiguous=contiguous, BQ=slots,
                              screen=screen, norm_bound=norm_bound, fp8_mma=fp8_mma,
-                             ahead=ahead, query_in_loop=query_in_loop)
+                             ahead=ahead)
     i32 = jnp.int32
     out_shape = (jax.ShapeDtypeStruct((size,), i32), jax.ShapeDtypeStruct((size,), i32),
                  jax.ShapeDtypeStruct((T * S,), i32), jax.ShapeDtypeStruct((T * S,), i32))
@@ -351,6 +346,18 @@ def record_slots(cnt, C: int, capacity: int):
     src = split * C + p[None, :] - jnp.take_along_axis(end - cnt, split, axis=1)
     valid = p[None, :] < total[:, None]
     return jnp.where(valid, src, 0), valid, total
+
+
+def same_records(a, b) -> bool:
+    """Whether two scans' records (rk, ri, cnt, appended) are the same, bitwise: every count
+    and appended number, and every split's first ``cnt`` keys and ids (a buffer's slots past
+    its count are never written: whatever memory held)."""
+    (rka, ria, cnta, appa), (rkb, rib, cntb, appb) = a, b
+    if not (bool(jnp.array_equal(cnta, cntb)) and bool(jnp.array_equal(appa, appb))):
+        return False
+    used = jnp.arange(rka.shape[-1]) < cnta[..., None]
+    return all(bool(jnp.array_equal(jnp.where(used, x, 0), jnp.where(used, y, 0)))
+               for x, y in ((rka, rkb), (ria, rib)))
 
 
 def gather_records(rk, ri, cnt, K: int, capacity: int):
@@ -500,7 +507,7 @@ def witness_threshold(prep: Prepared, ids, lengths, M: int, K: int, *, interpret
 def screen_records(prep: Prepared, q, w, theta, lengths, K: int, *, splits=None,
                    interpret=None, key_tile: int = SCREEN_KEY_TILE, norm="auto",
                    warps: int = 0, stages: int = 0, fp8_mma: bool = False, mma="auto",
-                   ahead: bool = False, query_in_loop: bool = False):
+                   ahead: bool = True):
     """The screen (one query slot per sequence, M = 1): record buffers of the keys whose upper
     bound clears ``theta`` [B] (order keys of the bounds and ids [B, S, C]; counts ≤ C and
     appended [B, S]; appended > C: that buffer overflowed). The upper bounds are ≥ the
@@ -508,8 +515,8 @@ def screen_records(prep: Prepared, q, w, theta, lengths, K: int, *, splits=None,
     a buffer overflowed. ``warps``, ``stages``: the kernel's Triton warps and pipeline stages
     (0: the scan's, ``prep.tiles``); the bound holds for any (its margin covers any scorer's
     summation order). ``ahead``: the key scales read a tile ahead, the weights once
-    (:func:`decode_scan`; a timing study, the same records);
-    ``query_in_loop``: the query tile read with each key tile (a timing study).
+    (:func:`decode_scan`; False, a timing study: each tile's scales read in that tile —
+    the same records).
 
     ``mma``: the operand type of the screen's MMA. ``"auto"``: float16 for FP8 keys — each
     query row scaled by a power of two into float16 (:func:`scaled_f16_pieces`, its weights
@@ -552,8 +559,7 @@ def screen_records(prep: Prepared, q, w, theta, lengths, K: int, *, splits=None,
                                                  num_stages=stages or prep.tiles.num_stages),
                        H=ops.H, pairs=ops.pairs, lane_sums=False,
                        interpret=interpret, contiguous=prep.contiguous, slots=1,
-                       norm_bound=nb, fp8_mma=ops.fp8_mma, ahead=ahead,
-                       query_in_loop=query_in_loop)
+                       norm_bound=nb, fp8_mma=ops.fp8_mma, ahead=ahead)
 
 
 def gather_candidates(ri, cnt, capacity: int):
