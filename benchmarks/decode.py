@@ -75,15 +75,17 @@ def batch_streams(inp, B: int, steps: int, offset: int = 0):
 def caches(inp, B: int, paged: bool, seed: int = 0):
     """(k, k_scale, page_table): B copies of the keys, contiguous or as shuffled pages."""
     N, D = inp.k.shape
-    k = jnp.tile(inp.k[None], (B, 1, 1))
-    s = jnp.tile(inp.k_scale[None], (B, 1))
+    copies = lambda k, s: (jnp.tile(k[None], (B, 1, 1)), jnp.tile(s[None], (B, 1)))
     if not paged:
-        return k, s, None
+        return jax.jit(copies)(inp.k, inp.k_scale) + (None,)
     per = N // PAGE
     perm = np.random.default_rng(seed).permutation(B * per)
-    inv = np.argsort(perm)
-    kp = k.reshape(B * per, PAGE, D)[inv]          # page perm[j] holds block j
-    sp = s.reshape(B * per, PAGE)[inv]
+    inv = jnp.asarray(np.argsort(perm), jnp.int32)
+
+    def pages(k, s, inv):   # one program: no eager copy of the B·N keys besides the pages
+        k, s = copies(k, s)
+        return k.reshape(B * per, PAGE, D)[inv], s.reshape(B * per, PAGE)[inv]
+    kp, sp = jax.jit(pages)(inp.k, inp.k_scale, inv)   # page perm[j] holds block j
     return kp, sp, jnp.asarray(perm.reshape(B, per), jnp.int32)
 
 
@@ -127,8 +129,10 @@ def decode_fn(cfg, paged: bool):
 
 
 def dense_fn(cfg, N: int):
-    def step(state, q, w, n, kf, sf):
-        return state, dense_step(q, w, n, kf, sf, cfg, N)
+    """dense_topk steps over the contiguous caches k [B, N, D], s [B, N] (seen as one table
+    inside the program: no second copy of the keys)."""
+    def step(state, q, w, n, k, s):
+        return state, dense_step(q, w, n, k.reshape(-1, k.shape[-1]), s.reshape(-1), cfg, N)
     return scanned(step)
 
 
@@ -182,20 +186,18 @@ def exactness(tab: Table, inp, other, cfg, steps: int) -> None:
     qs = jnp.where(half[..., None], oq, qs)
     ws = jnp.where(half, ow, ws)
     k, s, _ = caches(inp, B, False)
-    kf, sf = k.reshape(B * N, -1), s.reshape(-1)
     small = cfg.replace(capacity=cfg.top_k)
 
-    def step(state, q, w, n, k, s, kf, sf):
+    def step(state, q, w, n, k, s):
         res, state = dosa_jax.decode_topk(q, k, w, state, k_scale=s, lengths=n, config=small)
-        di, ds = dense_step(q, w, n, kf, sf, small, N)
+        di, ds = dense_step(q, w, n, k.reshape(B * N, -1), s.reshape(-1), small, N)
         bad = jnp.sum(jnp.any((res.indices != di) | (lax.bitcast_convert_type(res.scores, jnp.int32)
                                                       != lax.bitcast_convert_type(ds, jnp.int32)),
                               axis=1))
         return state, (bad, res.stats.overflow, res.stats.candidates)
 
     run = scanned(step)       # the caches are arguments, not constants of the program
-    _, (bad, over, cand) = run(qs[1:], ws[1:], ls[1:], dosa_jax.decode_init(B, small), k, s,
-                               kf, sf)
+    _, (bad, over, cand) = run(qs[1:], ws[1:], ls[1:], dosa_jax.decode_init(B, small), k, s)
     row = dict(layout="exactness", B=B, N=N, H=inp.q.shape[1], steps=steps,
                mismatches=int(jnp.sum(bad)), overflow_steps=int(jnp.sum(jnp.any(over > 0, 1))),
                candidates=float(jnp.mean(cand)), seconds=time.perf_counter() - t0)
@@ -215,7 +217,6 @@ def one_row(tab, p: Preset, case: Case, inp, B: int, paged: bool, copy_gbs: floa
     qs, ws, ls = batch_streams(inp, B, steps)
     k, s, pt = caches(inp, B, paged)
     kc, scc, _ = caches(inp, B, False) if paged else (k, s, None)
-    kf, sf = kc.reshape(B * N, D), scc.reshape(-1)
     # the state a generation loop has at the first timed step: one step from decode_init
     _, state0 = jax.jit(lambda q, w, n, k, s, pt: dosa_jax.decode_topk(
         q, k, w, dosa_jax.decode_init(B, cfg), k_scale=s, lengths=n,
@@ -224,7 +225,7 @@ def one_row(tab, p: Preset, case: Case, inp, B: int, paged: bool, copy_gbs: floa
     args = (qs[1:], ws[1:], ls[1:], state0, k, s, pt)
     _, (idx, sc, st) = f_dec(*args)
     f_dense = dense_fn(cfg, N)
-    dargs = (qs[1:], ws[1:], ls[1:], state0, kf, sf)
+    dargs = (qs[1:], ws[1:], ls[1:], state0, kc, scc)
     _, (ei, es) = f_dense(*dargs)
     eq = bool(jnp.all(idx == ei)) and _bits_equal(sc, es)
     tau_star = np.asarray(sc[..., -1], np.float64)
