@@ -38,6 +38,9 @@ of ``--repeats`` calls after warm-up):
   stages (the default: ``SCREEN_KEY_TILE`` and the scan's ``Tiles``);
 * ``overflow update``: the same from all records (``record_witnesses``, the overflow path);
 * ``records select``: the exact selection over all records (the overflow fallback alone);
+* with ``--kernels``: the whole step's kernels, each one's device time per step
+  (:func:`benchmarks.devtime.device_breakdown`: the span, the busy time of the streams, the
+  idle time between launches, and the costliest kernels with their XLA op), a second table;
 * ``top_k rows``: ``lax.top_k`` of the witness order keys over all 4 slots per sequence and
   over the M real ones (what the padded slots cost); ``kth_largest rows all slots``: the same
   K-th value by ``pallas_kernels.kth_largest``, as the step takes τ_w (checked bitwise equal).
@@ -59,7 +62,7 @@ from jax import lax
 
 import dosa_jax
 from benchmarks.decode import batch_streams, caches
-from benchmarks.devtime import timeit
+from benchmarks.devtime import device_breakdown, timeit
 from benchmarks.report import Table, log, run_meta
 
 
@@ -94,8 +97,30 @@ def chosen(parts, only=()):
     return [p for p in parts if p[0] in only]
 
 
+def step_kernels(step, args, meta, out: str, title: str, tag: str, repeats: int) -> Table:
+    """The step's kernels per call (:func:`benchmarks.devtime.device_breakdown`)."""
+    tab = Table("decode_kernels" + (f"_{tag}" if tag else ""), f"Kernels of one step: {title}",
+                [("kernel", "kernel"), ("ms", "ms per step"), ("launches", "launches per step"),
+                 ("op", "XLA op")], out, meta,
+                notes=[f"{repeats} traced steps after 2 warm-up; span: first activity start to "
+                       "last end; busy: union of stream activities; idle = span − busy"])
+    b = device_breakdown(step, *args, warmup=2, iters=repeats, top=40)
+    if b is None:
+        tab.notes.append("no GPU activity records (not on a GPU): nothing to list")
+        return tab
+    for label in ("span", "busy", "idle"):
+        tab.add(dict(kernel=f"({label})", ms=b[f"{label}_ms"],
+                     launches=b["launches"] if label == "span" else None))
+    for name, ms, count, op in b["kernels"]:
+        tab.add(dict(kernel=name[:80], ms=ms, launches=count, op=op[:100]))
+    tab.add(dict(kernel="(other kernels)", ms=b["other_ms"]))
+    log(f"[decode_parts] step kernels: span {b['span_ms']:.3f} ms, busy {b['busy_ms']:.3f}, "
+        f"{b['launches']:.0f} launches")
+    return tab
+
+
 def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, out: str,
-        capacity=None, studies=STUDIES, tag: str = "", only=()):
+        capacity=None, studies=STUDIES, tag: str = "", only=(), kernels: bool = False):
     from dosa_jax import datasets
     from dosa_jax.decode import (best_witnesses, distinct_pool, select_and_witness,
                                  witness_budget)
@@ -248,6 +273,9 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
                     f"witnesses): {'bitwise' if same_select else 'MISMATCH'}"] + study_notes)
     if not same_select:
         raise AssertionError("select_and_witness differs from the sorted pool's selection")
+    if kernels:
+        step_kernels(step, (qs[3], ws[3], ls[3], k, s, st), meta, out, tab.title, tag,
+                     repeats).write()
     t_step = None
     for name, f, a in chosen(parts, only):
         t = timeit(f, *a, warmup=2, repeats=repeats)
@@ -275,6 +303,9 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", default="",
                     help="time only these parts, comma-separated (e.g. 'screen' under a "
                          "profiler; default: every part)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also list the whole step's kernels by device time (a second table, "
+                         "decode_kernels_<tag>)")
     ap.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
     a = ap.parse_args(argv)
     studies = tuple(x for x in a.studies.split(",") if x)
@@ -287,7 +318,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         ap.error(f"--parts: {e}")
     tab = run(a.domain, a.layer, a.heads, a.N, a.B, a.K, a.repeats, a.out, a.capacity,
-              studies, a.tag, only)
+              studies, a.tag, only, a.kernels)
     tab.write()
     print(tab.markdown())
     return 0

@@ -292,8 +292,10 @@ def test_decode_parts_benchmark_runs_on_cpu(tmp_path):
     with pytest.raises(SystemExit):
         decode_parts.main(["--studies", "mma,nope", "--out", str(tmp_path)])
     assert decode_parts.main(["--N", "2048", "--B", "2", "--K", "32", "--repeats", "1",
-                              "--tag", "cpu", "--out", str(tmp_path)]) == 0
+                              "--tag", "cpu", "--kernels", "--out", str(tmp_path)]) == 0
     saved = json.loads((tmp_path / "decode_parts_cpu.json").read_text())
+    listed = json.loads((tmp_path / "decode_kernels_cpu.json").read_text())
+    assert listed["rows"] == [] and any("no GPU activity" in n for n in listed["notes"])
     parts = [r["part"] for r in saved["rows"]]
     assert parts[:4] == ["step", "witness", "screen", "screened"]
     assert sum(p.startswith("screen BK=") and "warps=" not in p for p in parts) == 6
