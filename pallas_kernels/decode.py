@@ -61,7 +61,7 @@ from dosa_jax.tiling import round_up_to
 from pallas_kernels import numerics
 from pallas_kernels import records as rec
 from pallas_kernels.kth_largest import kth_largest
-from pallas_kernels.common import (BF16, FP8, ID_BITS, THETA_NONE, compiler_params,
+from pallas_kernels.common import (BF16, FP8, ID_BITS, ID_MASK, THETA_NONE, compiler_params,
                                    interpret_default, mma_pieces, pad_axis, scaled_f16_pieces,
                                    split_key_tiles)
 from pallas_kernels.operands import capacity_for, prepare_operands
@@ -314,22 +314,40 @@ def screen_layout(B: int, tiles_per_sequence: int, K: int, BK: int, splits=None)
     return S, min(capacity_for(K, BK, 2 * K), round_up_to(max(per_split, BK), 16))
 
 
-def witness_keys(ops, kp, scale, rows, first, M: int, tiles: Tiles, interpret: bool):
+def direct_rows(kp, scale) -> bool:
+    """Whether the seed kernel can read list rows straight from ``kp`` [Pk, rows, Dp] (and the
+    scales from ``scale`` [rows]): every row id fits a list entry's ``ID_BITS`` and every
+    element offset an int32; else the rows are first gathered into a table."""
+    rows, Dp = kp.shape[1], kp.shape[2]
+    return scale is not None and rows <= ID_MASK + 1 and rows * Dp < 2 ** 31
+
+
+def witness_keys(ops, kp, scale, rows, first, M: int, tiles: Tiles, interpret: bool,
+                 direct=None):
     """Order keys [B·4, Wp] of each sequence's witnesses for its 4 query slots (seed kernel).
 
     ``rows`` [B, W] are the witnesses' key rows in ``kp``, ``first`` [B, W] marks the
     distinct visible ones (others score ``INT32_MIN``); W is padded to a multiple of the tile.
+    ``direct`` (default :func:`direct_rows`): the kernel gathers the rows from ``kp`` itself;
+    False: from a table of the rows gathered first (the same scores, bitwise).
     """
     B, W = rows.shape
     Wp = max(tiles.BK, round_up_to(W, tiles.BK))
     rows = pad_axis(rows, 1, Wp)
     first = pad_axis(first, 1, Wp, False)
-    table = jnp.take(kp, jnp.clip(rows, 0, kp.shape[1] - 1).reshape(-1), axis=1)
-    tscale = (jnp.ones((B * Wp,), jnp.float32) if scale is None
-              else jnp.take(scale, jnp.clip(rows, 0, scale.shape[0] - 1).reshape(-1)))
-    slot = jnp.arange(B * Wp, dtype=jnp.int32).reshape(B, Wp)
-    entries = jnp.where(first, slot | jnp.int32(((1 << M) - 1) << ID_BITS), -1)
-    wops = ops._replace(k=table, scale=tscale)
+    bits = jnp.int32(((1 << M) - 1) << ID_BITS)
+    if direct is None:
+        direct = direct_rows(kp, scale)
+    if direct:
+        entries = jnp.where(first, jnp.clip(rows, 0, kp.shape[1] - 1) | bits, -1)
+        wops = ops._replace(k=kp, scale=scale)
+    else:
+        table = jnp.take(kp, jnp.clip(rows, 0, kp.shape[1] - 1).reshape(-1), axis=1)
+        tscale = (jnp.ones((B * Wp,), jnp.float32) if scale is None
+                  else jnp.take(scale, jnp.clip(rows, 0, scale.shape[0] - 1).reshape(-1)))
+        slot = jnp.arange(B * Wp, dtype=jnp.int32).reshape(B, Wp)
+        entries = jnp.where(first, slot | bits, -1)
+        wops = ops._replace(k=table, scale=tscale)
     count = jnp.full((B, 1), Wp, jnp.int32)
     return seed_scores(wops, entries[:, None, :], count, tiles=tiles, interpret=interpret)
 
@@ -691,4 +709,4 @@ __all__ = ["KEY_TILE", "Prepared", "SLOTS", "decode_scan", "decode_topk", "decod
            "scan_tile", "screen_layout",
            "exact_step", "screen_margin_coefficient", "screen_records", "screen_upper",
            "screened_step", "screens",
-           "witness_keys", "witness_threshold", "workspace_bytes"]
+           "direct_rows", "witness_keys", "witness_threshold", "workspace_bytes"]

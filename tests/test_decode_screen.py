@@ -387,3 +387,33 @@ def test_one_selection_gives_the_top_k_and_the_next_witnesses_of_the_sorted_pool
     np.testing.assert_array_equal(np.asarray(nid), np.asarray(ref_id))
     np.testing.assert_array_equal(np.asarray(nkey), np.asarray(ref_key))
     assert np.all(np.asarray(nid)[:, 0] >= 0)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_witness_rows_read_in_place_score_as_the_gathered_table(paged):
+    """The seed kernel reading each witness's row straight from the key cache
+    (``direct_rows``) gives the order keys it gives on a table of the rows gathered first,
+    bitwise, for every slot: repeated, invisible, negative and out-of-range ids included."""
+    rng = np.random.default_rng(11)
+    B, N = 3, 512
+    q, k, s, w = _problem(rng, B, N, "fp8", jnp.bfloat16)
+    pt = None
+    if paged:
+        k, s, pt = _paged(k, s, 128, rng)
+    lengths = jnp.asarray([N, 300, 0], jnp.int32)
+    prep = kd.prepare(q, w, k, s, pt)
+    assert kd.direct_rows(prep.kp, prep.scale)
+    ids = rng.integers(-5, N + 40, size=(B, 200)).astype(np.int32)
+    ids[:, 50:60] = ids[:, 40:50]                       # repeated ids
+    ids = jnp.asarray(ids)
+    first = dosa_jax.seeds.distinct_visible(ids, jnp.zeros((B,), jnp.int32), lengths)
+    rows = kd.key_rows(prep, ids)
+    got = kd.witness_keys(prep.ops, prep.kp, prep.scale, rows, first, 1, prep.tiles, True,
+                          direct=True)
+    want = kd.witness_keys(prep.ops, prep.kp, prep.scale, rows, first, 1, prep.tiles, True,
+                           direct=False)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    real = np.asarray(got)[::kd.SLOTS, :200]
+    assert (real[~np.asarray(first)] == np.iinfo(np.int32).min).all()
+    assert (real[np.asarray(first)] != np.iinfo(np.int32).min).any()
+    assert not kd.direct_rows(prep.kp, None)
