@@ -38,6 +38,10 @@ of ``--repeats`` calls after warm-up):
   stages (the default: ``SCREEN_KEY_TILE`` and the scan's ``Tiles``);
 * ``overflow update``: the same from all records (``record_witnesses``, the overflow path);
 * ``records select``: the exact selection over all records (the overflow fallback alone);
+* ``witness rows read in place`` / ``witness rows from a gathered table``: the witnesses'
+  seed-kernel scores alone, the kernel gathering each row from the key cache
+  (``witness_keys(direct=True)``, the default where ``direct_rows`` allows) against a table
+  of the rows gathered first (checked bitwise equal);
 * with ``--kernels``: the whole step's kernels, each one's device time per step
   (:func:`benchmarks.devtime.device_breakdown`: the span, the busy time of the streams, the
   idle time between launches, and the costliest kernels with their XLA op), a second table;
@@ -77,7 +81,7 @@ class Shape(NamedTuple):
 
 
 #: The screen variants timed beside the default (``--studies``).
-STUDIES = ("mma", "ahead", "tiles", "warps", "splits", "fp8")
+STUDIES = ("mma", "ahead", "tiles", "warps", "splits", "fp8", "rows")
 
 
 #: The parts timed in every run (``--parts`` picks among them; the studies follow them).
@@ -127,6 +131,7 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
     from pallas_kernels import decode as kd
     from pallas_kernels import records as rec
     from pallas_kernels.kth_largest import kth_largest
+    from dosa_jax.seeds import distinct_visible
     from dosa_jax.selection import INT32_MIN
     from pallas_kernels.common import interpret_default, pad_axis
 
@@ -231,6 +236,20 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
               if x <= N // screen_tile and "splits" in studies):
         variants.append((f"screen splits={S}", screen_variant(splits=S), screen_args))
     study_notes = []
+    if "rows" in studies:
+        def rows_variant(direct):
+            def f(q, w, k, s, ids, n):
+                p = prep(q, w, k, s)
+                first = distinct_visible(ids, jnp.zeros((B,), jnp.int32), n)
+                return kd.witness_keys(p.ops, p.kp, p.scale, kd.key_rows(p, ids), first, M,
+                                       p.tiles, interpret_default(), direct=direct)
+            return jax.jit(f)
+        f_in, f_table = rows_variant(True), rows_variant(False)
+        rows_args = (q, w, k, s, ids, n)
+        if not bool(jnp.array_equal(f_in(*rows_args), f_table(*rows_args))):
+            raise AssertionError("witness rows read in place score differently")
+        variants += [("witness rows read in place", f_in, rows_args),
+                     ("witness rows from a gathered table", f_table, rows_args)]
     if k.dtype == jnp.float8_e4m3fn and "fp8" in studies:   # not certified: a study
         try:   # a study: if this MMA does not compile here, the other parts are still timed
             f = screen_variant(fp8_mma=True)

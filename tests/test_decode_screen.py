@@ -305,6 +305,7 @@ def test_decode_parts_benchmark_runs_on_cpu(tmp_path):
     assert sum(p.startswith("screen bf16 MMA, canonical pieces") for p in parts) == 1
     assert "screen, scales read in each tile (records bitwise the same)" in parts
     assert "screen, scales a tile ahead, 4 stages (records bitwise the same)" in parts
+    assert {"witness rows read in place", "witness rows from a gathered table"} <= set(parts)
     assert any("sorted pool" in n and "bitwise" in n for n in saved["notes"])
     assert all(r["ms"] > 0 for r in saved["rows"])
     assert (tmp_path / "decode_parts_cpu.md").exists()
