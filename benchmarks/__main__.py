@@ -123,8 +123,26 @@ def run(argv=None):
                          "no variant)")
     ap.add_argument("--survivor-cost", type=float, default=0.0,
                     help="matrix: also time DoSA with Config.survivor_cost=κ (0: no variant)")
+    ap.add_argument("--batches", default="",
+                    help="decode: batch sizes, e.g. 1,8 (default: the preset's)")
+    ap.add_argument("--check-steps", type=int, default=None,
+                    help="decode: steps of the exactness run (0: none; default: the preset's)")
     a = ap.parse_args(argv)
     preset = (QUICK if a.quick else PRESETS)[a.preset]
+    if a.check_steps is not None:
+        if a.preset != "decode" or a.check_steps < 0:
+            ap.error(f"--check-steps: a count >= 0 of the decode preset, got {a.check_steps} "
+                     f"for {a.preset}")
+        preset = preset._replace(check_steps=a.check_steps)
+    if a.batches:
+        try:
+            batches = tuple(int(x) for x in a.batches.split(","))
+        except ValueError:
+            ap.error(f"--batches: comma-separated integers, got {a.batches!r}")
+        if a.preset != "decode" or min(batches) < 1:
+            ap.error(f"--batches: positive batch sizes of the decode preset, got {a.batches!r} "
+                     f"for {a.preset}")
+        preset = preset._replace(batches=batches)
     if a.anchor_stride < 0:
         ap.error(f"--anchor-stride must be >= 0, got {a.anchor_stride}")
     try:

@@ -477,3 +477,13 @@ def test_decode_benchmark_quick(tmp_path):
     assert len(saved["rows"]) == len(tab.rows)
     with pytest.raises(SystemExit):
         entry.run(["decode", "--out", str(tmp_path)])     # the full preset: a GPU only
+    # --batches / --check-steps: the rows of those batch sizes, the exactness run skipped
+    one = entry.run(["decode", "--quick", "--repeats", "1", "--batches", str(p.batches[0]),
+                     "--check-steps", "0", "--tag", "b", "--out", str(tmp_path)])
+    assert sorted((r["B"], r["layout"]) for r in one.rows) == [
+        (p.batches[0], "contiguous"), (p.batches[0], "paged")] and not one.errors
+    for bad in (["--batches", "0"], ["--batches", "x"], ["--check-steps", "-1"]):
+        with pytest.raises(SystemExit):
+            entry.run(["decode", "--quick", *bad, "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        entry.run(["matrix", "--quick", "--batches", "1", "--out", str(tmp_path)])
