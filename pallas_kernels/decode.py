@@ -419,14 +419,15 @@ def record_witnesses(rk, ri, cnt, K: int, n: int, wk, wids):
 
 def workspace_bytes(B: int, K: int, W: int, D: int, *, capacity=None, splits: int,
                     key_tile: int = KEY_TILE, key_bytes: int = 1, screen: bool = True,
-                    screen_splits: int = 0, screen_slots: int = 0) -> dict:
+                    screen_splits: int = 0, screen_slots: int = 0, direct: bool = False) -> dict:
     """Device bytes a decode step allocates besides the key cache (independent of N).
 
     records: order keys + ids of C slots per (query slot, split) of the canonical scan;
     counts; the screen's records (one slot per sequence: ``screen``, 0 without it) on
     ``screen_splits`` × ``screen_slots`` (:func:`screen_layout`'s for a given N; 0: the most
     it takes at any N, its split cap × C); the
-    witness table (gathered keys, scales, entries, order keys); the candidate table the
+    witness table (gathered keys, scales, entries, order keys; with ``direct``, rows read in
+    place (:func:`direct_rows`), entries and order keys only); the candidate table the
     screen rescores (the same per candidate slot); the selection buffer and the witnesses
     below τ_w (keys + ids: what the next witnesses are chosen from).
     """
@@ -435,7 +436,7 @@ def workspace_bytes(B: int, K: int, W: int, D: int, *, capacity=None, splits: in
     cap = max(K, capacity if capacity is not None else WITNESS_FACTOR * K)
     Wp = round_up_to(W, 64)
     Cp = round_up_to(cap, 64)
-    table = lambda n: B * n * (D * key_bytes + 4 + 4) + T * n * 4
+    table = lambda n: B * n * (0 if direct else D * key_bytes + 4) + B * n * 4 + T * n * 4
     parts = dict(records=T * splits * C * 8, counts=T * splits * 8,
                  screen=(B * (screen_splits or max_screen_splits(B))
                          * ((screen_slots or C) * 8 + 8)) if screen else 0,

@@ -418,6 +418,11 @@ def test_workspace_is_what_the_kernels_allocate_and_does_not_grow_with_n():
             B, K, K, D, splits=2, screen_splits=S, screen_slots=C)["screen"]
     ws = kd.workspace_bytes(B, K, K, D, splits=2)
     assert sizes[0] == sizes[1] == ws["records"] + ws["counts"]
+    # rows read in place: the tables hold each slot's entry (B) and order keys (4 slots)
+    wd = kd.workspace_bytes(B, K, 64, D, splits=2, direct=True)
+    assert wd["witness_table"] == B * 64 * 4 + B * kd.SLOTS * 64 * 4
+    assert ws["witness_table"] - kd.workspace_bytes(B, K, K, D, splits=2, direct=True)[
+        "witness_table"] == B * 64 * (D + 4)
     big = [kd.workspace_bytes(8, 2048, 2048, 128, splits=kd.default_splits(8, n // 64))["total"]
            for n in (1 << 17, 1 << 20, 1 << 24)]
     assert big[0] == big[1] == big[2]
