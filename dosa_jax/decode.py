@@ -18,7 +18,8 @@ witnesses τ_w is the K-th of 4·K keys that all scored high recently.
 When fewer than K distinct visible witnesses exist (first step, short sequence, stale ids),
 τ_w = −inf and every visible key is a candidate. When more candidates than the buffer holds
 clear τ_w (a topic change makes the witnesses useless), the step falls back to exact
-selection over all scores (``lax.cond``, no host sync). Either way the answer is
+selection over all scores (``lax.cond``: no value leaves the device program; XLA:GPU reads
+the predicate back itself to choose the branch). Either way the answer is
 ``dense_topk``'s, bitwise: the witnesses change the work, never the answer.
 
     state = dosa_jax.decode_init(batch, config)
