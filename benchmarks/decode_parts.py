@@ -66,7 +66,7 @@ from jax import lax
 
 import dosa_jax
 from benchmarks.decode import batch_streams, caches
-from benchmarks.devtime import device_breakdown, timeit
+from benchmarks.devtime import breakdown_rows, device_breakdown, timeit
 from benchmarks.report import Table, log, run_meta
 
 
@@ -112,12 +112,8 @@ def step_kernels(step, args, meta, out: str, title: str, tag: str, repeats: int)
     if b is None:
         tab.notes.append("no GPU activity records (not on a GPU): nothing to list")
         return tab
-    for label in ("span", "busy", "idle"):
-        tab.add(dict(kernel=f"({label})", ms=b[f"{label}_ms"],
-                     launches=b["launches"] if label == "span" else None))
-    for name, ms, count, op in b["kernels"]:
-        tab.add(dict(kernel=name[:80], ms=ms, launches=count, op=op[:100]))
-    tab.add(dict(kernel="(other kernels)", ms=b["other_ms"]))
+    for row in breakdown_rows(b):
+        tab.add(row)
     log(f"[decode_parts] step kernels: span {b['span_ms']:.3f} ms, busy {b['busy_ms']:.3f}, "
         f"{b['launches']:.0f} launches")
     return tab

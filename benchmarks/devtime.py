@@ -131,6 +131,17 @@ def breakdown(pd, iters: int, top: int = 30):
                 kernels=rows[:top], other_ms=sum(r[1] for r in rows[top:]))
 
 
+def breakdown_rows(b):
+    """Table rows of a :func:`breakdown`: (span), (busy), (idle), each listed kernel, (other
+    kernels) — dicts of kernel, ms, launches, op."""
+    rows = [dict(kernel=f"({label})", ms=b[f"{label}_ms"],
+                 launches=b["launches"] if label == "span" else None)
+            for label in ("span", "busy", "idle")]
+    rows += [dict(kernel=name[:80], ms=ms, launches=count, op=op[:80])
+             for name, ms, count, op in b["kernels"]]
+    return rows + [dict(kernel="(other kernels)", ms=b["other_ms"])]
+
+
 def device_breakdown(fn, *args, warmup: int = 2, iters: int = 3, top: int = 30):
     """:func:`breakdown` of ``iters`` calls of ``fn`` (after ``warmup``), or ``None`` without a
     GPU."""

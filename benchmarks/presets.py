@@ -22,7 +22,7 @@ import numpy as np
 from jax import lax
 
 import dosa_jax
-from benchmarks.devtime import device_breakdown, timeit
+from benchmarks.devtime import breakdown_rows, device_breakdown, timeit
 from benchmarks.report import Table, geometric_mean, log
 from benchmarks.shapes import Case, Preset
 
@@ -370,12 +370,8 @@ def kernels(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
                     tab.add(dict(base, kernel=f"(no GPU activity records: {t.clock} median)",
                                  ms=t.seconds * 1e3))
                     continue
-                for label in ("span", "busy", "idle"):
-                    tab.add(dict(base, kernel=f"({label})", ms=b[f"{label}_ms"],
-                                 launches=b["launches"] if label == "span" else None))
-                for kname, ms, count, op in b["kernels"]:
-                    tab.add(dict(base, kernel=kname[:80], ms=ms, launches=count, op=op[:80]))
-                tab.add(dict(base, kernel="(other kernels)", ms=b["other_ms"]))
+                for row in breakdown_rows(b):
+                    tab.add(dict(base, **row))
                 log(f"[kernels] {name} {case.name} N={N}: span {b['span_ms']:.1f} ms")
     return tab
 

@@ -77,4 +77,9 @@ def test_breakdown_sums_kernels_per_call_and_counts_idle_gaps():
     (name, ms, count, _), = b["kernels"]
     assert name == "fusion" and count == 2
     assert ms == pytest.approx((3500 + 2000) * 1e-6 / 2)
+    rows = devtime.breakdown_rows(b)    # the table rows of that breakdown
+    assert [r["kernel"] for r in rows] == ["(span)", "(busy)", "(idle)", "fusion",
+                                           "(other kernels)"]
+    assert rows[0]["launches"] == 2 and rows[3]["ms"] == pytest.approx(ms)
+    assert rows[-1]["ms"] == 0
     assert devtime.breakdown(_trace([(0, 10)], {}), 1) is None
