@@ -232,7 +232,11 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
               if x <= N // screen_tile and "splits" in studies):
         variants.append((f"screen splits={S}", screen_variant(splits=S), screen_args))
     study_notes = []
-    if "rows" in studies:
+    fits = kd.direct_rows(*jax.eval_shape(lambda q, w, k, s: prep(q, w, k, s)[1:3], q, w, k, s))
+    if "rows" in studies and not fits:
+        study_notes.append("witness rows read in place: not timed (row ids or offsets beyond "
+                           "direct_rows' limits at this shape)")
+    if "rows" in studies and fits:
         def rows_variant(direct):
             def f(q, w, k, s, ids, n):
                 p = prep(q, w, k, s)

@@ -338,6 +338,9 @@ def witness_keys(ops, kp, scale, rows, first, M: int, tiles: Tiles, interpret: b
     bits = jnp.int32(((1 << M) - 1) << ID_BITS)
     if direct is None:
         direct = direct_rows(kp, scale)
+    elif direct and not direct_rows(kp, scale):
+        raise ValueError(f"witness_keys(direct=True): {kp.shape[1]} key rows of {kp.shape[2]} "
+                         "elements (or no scales) are beyond what the seed kernel reads in place")
     if direct:
         entries = jnp.where(first, jnp.clip(rows, 0, kp.shape[1] - 1) | bits, -1)
         wops = ops._replace(k=kp, scale=scale)

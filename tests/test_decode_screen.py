@@ -418,3 +418,7 @@ def test_witness_rows_read_in_place_score_as_the_gathered_table(paged):
     assert (real[~np.asarray(first)] == np.iinfo(np.int32).min).all()
     assert (real[np.asarray(first)] != np.iinfo(np.int32).min).any()
     assert not kd.direct_rows(prep.kp, None)
+    with pytest.raises(ValueError, match="direct=True"):
+        kd.witness_keys(prep.ops, prep.kp, None, rows, first, 1, prep.tiles, True, direct=True)
+    big = jax.ShapeDtypeStruct((1, 1 << 24, 128), jnp.float8_e4m3fn)   # 2^31 elements
+    assert not kd.direct_rows(big, prep.scale)
