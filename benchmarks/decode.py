@@ -276,9 +276,8 @@ def one_row(tab, p: Preset, case: Case, inp, B: int, paged: bool, copy_gbs: floa
                               key_tile=kd.KEY_TILE if not paged else PAGE,
                               capacity=kd.candidate_capacity(cfg),
                               screen=kd.screens(qs[-1][:, None], k),
-                              direct=kd.direct_rows(*jax.eval_shape(   # shapes only
-                                  lambda *a: kd.prepare(*a)[1:3], qs[-1][:, None],
-                                  ws[-1][:, None], k, s, pt)))
+                              direct=kd.reads_rows_in_place(qs[-1][:, None],
+                                                            ws[-1][:, None], k, s, pt))
     row["workspace_mib"] = ws_b["total"] / 2 ** 20
     row["seconds"] = time.perf_counter() - t0
     tab.add(row)

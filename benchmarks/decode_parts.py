@@ -232,7 +232,7 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
               if x <= N // screen_tile and "splits" in studies):
         variants.append((f"screen splits={S}", screen_variant(splits=S), screen_args))
     study_notes = []
-    fits = kd.direct_rows(*jax.eval_shape(lambda q, w, k, s: prep(q, w, k, s)[1:3], q, w, k, s))
+    fits = kd.reads_rows_in_place(q, w, k, s, None)
     if "rows" in studies and not fits:
         study_notes.append("witness rows read in place: not timed (row ids or offsets beyond "
                            "direct_rows' limits at this shape)")

@@ -322,6 +322,13 @@ def direct_rows(kp, scale) -> bool:
     return scale is not None and rows <= ID_MASK + 1 and rows * Dp < 2 ** 31
 
 
+def reads_rows_in_place(q, w, k, k_scale, page_table) -> bool:
+    """:func:`direct_rows` of the operands :func:`prepare` builds from these (shapes only: no
+    copy of the cache)."""
+    return direct_rows(*jax.eval_shape(lambda *a: prepare(*a)[1:3], q, w, k, k_scale,
+                                       page_table))
+
+
 def witness_keys(ops, kp, scale, rows, first, M: int, tiles: Tiles, interpret: bool,
                  direct=None):
     """Order keys [B·4, Wp] of each sequence's witnesses for its 4 query slots (seed kernel).
@@ -713,4 +720,4 @@ __all__ = ["KEY_TILE", "Prepared", "SLOTS", "decode_scan", "decode_topk", "decod
            "scan_tile", "screen_layout",
            "exact_step", "screen_margin_coefficient", "screen_records", "screen_upper",
            "screened_step", "screens",
-           "direct_rows", "witness_keys", "witness_threshold", "workspace_bytes"]
+           "direct_rows", "reads_rows_in_place", "witness_keys", "witness_threshold", "workspace_bytes"]

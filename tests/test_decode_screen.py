@@ -403,7 +403,7 @@ def test_witness_rows_read_in_place_score_as_the_gathered_table(paged):
         k, s, pt = _paged(k, s, 128, rng)
     lengths = jnp.asarray([N, 300, 0], jnp.int32)
     prep = kd.prepare(q, w, k, s, pt)
-    assert kd.direct_rows(prep.kp, prep.scale)
+    assert kd.direct_rows(prep.kp, prep.scale) and kd.reads_rows_in_place(q, w, k, s, pt)
     ids = rng.integers(-5, N + 40, size=(B, 200)).astype(np.int32)
     ids[:, 50:60] = ids[:, 40:50]                       # repeated ids
     ids = jnp.asarray(ids)
