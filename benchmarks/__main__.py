@@ -127,8 +127,23 @@ def run(argv=None):
                     help="decode: batch sizes, e.g. 1,8 (default: the preset's)")
     ap.add_argument("--check-steps", type=int, default=None,
                     help="decode: steps of the exactness run (0: none; default: the preset's)")
+    ap.add_argument("--layouts", default="",
+                    help="decode: key layouts, of contiguous,paged (default: both)")
+    ap.add_argument("--graphs", action="store_true",
+                    help="decode: also time every path compiled with "
+                         "dosa_jax.decode.LOOP_COMPILER_OPTIONS (the loop in CUDA graphs)")
     a = ap.parse_args(argv)
     preset = (QUICK if a.quick else PRESETS)[a.preset]
+    if a.layouts:
+        layouts = tuple(x for x in a.layouts.split(",") if x)
+        if a.preset != "decode" or not layouts or set(layouts) - {"contiguous", "paged"}:
+            ap.error(f"--layouts: contiguous and/or paged, of the decode preset, got "
+                     f"{a.layouts!r} for {a.preset}")
+        preset = preset._replace(layouts=layouts)
+    if a.graphs:
+        if a.preset != "decode":
+            ap.error(f"--graphs: an option of the decode preset, not of {a.preset}")
+        preset = preset._replace(graphs=True)
     if a.check_steps is not None:
         if a.preset != "decode" or a.check_steps < 0:
             ap.error(f"--check-steps: a count >= 0 of the decode preset, got {a.check_steps} "

@@ -113,37 +113,40 @@ def jnp_scores(q, w, lengths, k, s):
     return lax.map(one, (q, w, k, s, lengths))
 
 
-def scanned(step, init=None):
-    """jit of a lax.scan of ``step(state, q, w, lengths) -> (state, out)`` over steps."""
+def scanned(step, graphs: bool = False):
+    """jit of a lax.scan of ``step(state, q, w, lengths) -> (state, out)`` over steps;
+    ``graphs``: compiled with :data:`dosa_jax.decode.LOOP_COMPILER_OPTIONS`."""
     def run(qs, ws, ls, state, *rest):
         return lax.scan(lambda st, x: step(st, *x, *rest), state, (qs, ws, ls))
+    if graphs:
+        return jax.jit(run, compiler_options=dosa_jax.decode.LOOP_COMPILER_OPTIONS)
     return jax.jit(run)
 
 
-def decode_fn(cfg, paged: bool):
+def decode_fn(cfg, paged: bool, graphs: bool = False):
     def step(state, q, w, n, k, s, pt):
         res, state = dosa_jax.decode_topk(q, k, w, state, k_scale=s, lengths=n,
                                           page_table=pt if paged else None, config=cfg)
         return state, (res.indices, res.scores, res.stats)
-    return scanned(step)
+    return scanned(step, graphs)
 
 
-def dense_fn(cfg, N: int):
+def dense_fn(cfg, N: int, graphs: bool = False):
     """dense_topk steps over the contiguous caches k [B, N, D], s [B, N] (seen as one table
     inside the program: no second copy of the keys)."""
     def step(state, q, w, n, k, s):
         return state, dense_step(q, w, n, k.reshape(-1, k.shape[-1]), s.reshape(-1), cfg, N)
-    return scanned(step)
+    return scanned(step, graphs)
 
 
-def jnp_fn(K: int, exact: bool):
+def jnp_fn(K: int, exact: bool, graphs: bool = False):
     def step(state, q, w, n, k, s):
         sc = jnp_scores(q, w, n, k, s)
         if exact:
             return state, dosa_jax.exact_topk(sc, K)
         v, i = lax.top_k(sc, K)
         return state, (i, v)
-    return scanned(step)
+    return scanned(step, graphs)
 
 
 def scan_only_fn(cfg, paged: bool, screen: bool = False):
@@ -206,6 +209,26 @@ def exactness(tab: Table, inp, other, cfg, steps: int) -> None:
     log(f"[decode] exactness: {row}")
 
 
+def graph_times(row, f_dec, args, g_dec, expect, base, dense, xla, steps: int, warmup: int,
+                repeats: int) -> None:
+    """The row's decode, dense and XLA loops compiled with
+    :data:`dosa_jax.decode.LOOP_COMPILER_OPTIONS` (command buffers: the loop and each step's
+    ``lax.cond`` run as CUDA graphs), timed beside the default compile: the same answer
+    bitwise (checked), ms per step and their ratios."""
+    _, (gi, gs, _) = g_dec(*args)
+    row["graphs_eq"] = bool(jnp.all(gi == expect[0])) and _bits_equal(gs, expect[1])
+    per_step = lambda f, a, r: timeit(f, *a, warmup=warmup, repeats=r).seconds * 1e3 / steps
+    # the default compile again, in the same stretch of the run as the graphs
+    row["decode_ms_again"] = per_step(f_dec, args, repeats)
+    row["decode_graph_ms"] = per_step(g_dec, args, repeats)
+    if "dense_graph_ms" not in base:
+        base["dense_graph_ms"] = per_step(*dense, repeats)
+        base["xla_graph_ms"] = per_step(*xla, max(1, repeats // 2))
+    row.update(dense_graph_ms=base["dense_graph_ms"], xla_graph_ms=base["xla_graph_ms"])
+    row["xla_over_decode_graphs"] = row["xla_graph_ms"] / row["decode_graph_ms"]
+    row["dense_over_decode_graphs"] = row["dense_graph_ms"] / row["decode_graph_ms"]
+
+
 def one_row(tab, p: Preset, case: Case, inp, B: int, paged: bool, copy_gbs: float, repeats: int,
             warmup: int, baselines: dict) -> None:
     from pallas_kernels import decode as kd
@@ -252,6 +275,10 @@ def one_row(tab, p: Preset, case: Case, inp, B: int, paged: bool, copy_gbs: floa
     row.update(dense_over_decode=row["dense_ms"] / row["decode_ms"],
                score_exact_over_decode=row["score_exact_ms"] / row["decode_ms"],
                xla_over_decode=row["xla_ms"] / row["decode_ms"])
+    if p.graphs:
+        graph_times(row, f_dec, args, decode_fn(cfg, paged, True), (idx, sc), baselines[key],
+                    (dense_fn(cfg, N, True), dargs), (jnp_fn(K, False, True), dargs), steps,
+                    warmup, repeats)
     # the scan kernel alone, from the last step's thresholds
     theta = jnp.where(jnp.isfinite(st.tau_witness[-1]), dosa_jax.selection.order_key(
         st.tau_witness[-1]), kd.THETA_NONE)
@@ -287,7 +314,8 @@ def one_row(tab, p: Preset, case: Case, inp, B: int, paged: bool, copy_gbs: floa
 def rows_in_order(p: Preset, Ns, cases):
     """(case, N, B, paged) with the headline shape first (B = 8, largest N, the first case)."""
     out = [(c, N, B, paged) for c in cases for N in sorted(Ns, reverse=True)
-           for B in p.batches for paged in (False, True)]
+           for B in p.batches for paged in (False, True)
+           if ("paged" if paged else "contiguous") in p.layouts]
     head = [r for r in out if r[2] == 8 and r[1] == max(Ns) and r[0] == cases[0]]
     return head + [r for r in out if r not in head]
 
@@ -308,6 +336,14 @@ def decode(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
             ("workspace_mib", "workspace MiB"),
             ("decode_eq_dense", "decode == dense bitwise"), ("mismatches", "mismatches"),
             ("steps", "steps"), ("clock", "clock")]
+    if p.graphs:
+        cols += [("decode_ms_again", "decode ms/step (again)"),
+                 ("decode_graph_ms", "decode ms/step, graphs"),
+                 ("dense_graph_ms", "dense ms/step, graphs"),
+                 ("xla_graph_ms", "XLA ms/step, graphs"),
+                 ("dense_over_decode_graphs", "dense/decode, graphs"),
+                 ("xla_over_decode_graphs", "XLA/decode, graphs"),
+                 ("graphs_eq", "graphs == default bitwise")]
     tab = Table("decode", f"Decode: K={p.K}, FP8 keys, {p.steps} consecutive steps per row",
                 cols, out, meta, summary=_summary, notes=[
                     f"per step: median of {repeats} timed scans over {p.steps} steps after "
@@ -320,7 +356,11 @@ def decode(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
                     "kernel time, the screen's when it runs; copy GB/s: (read + written) bytes "
                     "of a 2 GiB device copy; scan/copy: the kernel the step scans with",
                     "workspace: records + witness table + selection buffer (independent of N)",
-                    weights_note(meta)])
+                    weights_note(meta)] + ([
+                    "graphs: the same loops compiled with dosa_jax.decode.LOOP_COMPILER_OPTIONS "
+                    "(command buffers for fusions, custom calls, conditionals and while loops); "
+                    "decode (again): the default compile timed once more beside them"]
+                    if p.graphs else []))
     if not meta.get("quick") and not dosa_jax.backend.on_gpu():
         raise SystemExit("the decode preset times N = 1M on a GPU; on a CPU run it with --quick")
     t_start = time.perf_counter()

@@ -59,6 +59,10 @@ class Preset(NamedTuple):
     steps: int = 0
     check_steps: int = 0
     budget_s: float = float("inf")
+    # decode: key layouts timed, and whether each path is also timed compiled with
+    # ``dosa_jax.decode.LOOP_COMPILER_OPTIONS`` (the loop in command buffers)
+    layouts: Tuple[str, ...] = ("contiguous", "paged")
+    graphs: bool = False
 
 
 KiB = 1024

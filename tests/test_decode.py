@@ -487,8 +487,21 @@ def test_decode_benchmark_quick(tmp_path):
                      "--check-steps", "0", "--tag", "b", "--out", str(tmp_path)])
     assert sorted((r["B"], r["layout"]) for r in one.rows) == [
         (p.batches[0], "contiguous"), (p.batches[0], "paged")] and not one.errors
-    for bad in (["--batches", "0"], ["--batches", "x"], ["--check-steps", "-1"]):
+    # --layouts / --graphs: contiguous rows only, each path also compiled with the loop
+    # compile options (ignored by the CPU compiler: the same answer), timed beside the default
+    g = entry.run(["decode", "--quick", "--repeats", "1", "--batches", str(p.batches[0]),
+                   "--check-steps", "0", "--layouts", "contiguous", "--graphs", "--tag", "g",
+                   "--out", str(tmp_path)])
+    r, = g.rows
+    assert r["layout"] == "contiguous" and r["graphs_eq"] is True and not g.errors
+    assert min(r["decode_graph_ms"], r["decode_ms_again"], r["dense_graph_ms"],
+               r["xla_graph_ms"]) > 0
+    assert r["xla_over_decode_graphs"] == pytest.approx(r["xla_graph_ms"] / r["decode_graph_ms"])
+    assert "XLA/decode, graphs" in (tmp_path / "decode_g.md").read_text()
+    for bad in (["--batches", "0"], ["--batches", "x"], ["--check-steps", "-1"],
+                ["--layouts", "ragged"], ["--layouts", ","]):
         with pytest.raises(SystemExit):
             entry.run(["decode", "--quick", *bad, "--out", str(tmp_path)])
-    with pytest.raises(SystemExit):
-        entry.run(["matrix", "--quick", "--batches", "1", "--out", str(tmp_path)])
+    for bad in (["--batches", "1"], ["--graphs"], ["--layouts", "paged"]):
+        with pytest.raises(SystemExit):
+            entry.run(["matrix", "--quick", *bad, "--out", str(tmp_path)])
