@@ -8,6 +8,8 @@
 # agreement | context_parallel (CP_ARGS adds options, e.g. --queries 4096) |
 # witness_timing (WT_ARGS adds options, e.g. --cases code1,code2 --widths 0,4096 --survivor-costs 1,2 --splits 0,2) |
 # decode | decode32 | decode64 (decode: every row within its time budget; decode32/64: one H each) |
+# decode_graphs (B = 1, 8 at N = 1M, 128K, H = 32, contiguous: every loop also compiled with
+# dosa_jax.decode.LOOP_COMPILER_OPTIONS) |
 # decode_parts (one decode step timed by part; PARTS_ARGS adds options, e.g. --B 1 --N 131072) |
 # slack_train | slack_eval (the slack fine-tune in two calls: slack_train writes every λ's
 # weights_lambda_<λ>.npz to $OUT; slack_eval measures the files in SLACK_WEIGHTS, a folder the
@@ -85,6 +87,9 @@ for s in $stages; do
     decode) run decode "${DECODE_TIMEOUT:-580}" python -m benchmarks decode --out "$OUT" ;;
     decode32) run decode32 "${DECODE_TIMEOUT:-580}" python -m benchmarks decode --cases H32 \
       --tag h32 --out "$OUT" ;;
+    decode_graphs) run decode_graphs "${DECODE_TIMEOUT:-580}" python -m benchmarks decode \
+      --N 1m,128k --cases code2_H32 --batches 1,8 --layouts contiguous --check-steps 0 --graphs \
+      --tag graphs --out "$OUT" ;;
     decode_parts) run decode_parts "${DECODE_TIMEOUT:-300}" python -m benchmarks.decode_parts \
       --out "$OUT" $PARTS_ARGS ;;
     decode64) run decode64 "${DECODE_TIMEOUT:-580}" python -m benchmarks decode --cases H64 \
@@ -96,7 +101,7 @@ for s in $stages; do
       --out "$OUT" $SLACK_ARGS ;;
     *) echo "gpu.sh: unknown stage $s (tests headline matrix matrix1m matrix1m_bw matrix1m64" \
          "matrix128k matrix1m_slack matrix1m64_slack kernels select agreement context_parallel" \
-         "witness_timing decode decode32 decode64 decode_parts slack_train slack_eval)" >&2
+         "witness_timing decode decode32 decode64 decode_graphs decode_parts slack_train slack_eval)" >&2
        exit 2 ;;
   esac
 done
