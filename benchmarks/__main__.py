@@ -131,7 +131,7 @@ def run(argv=None):
                     help="decode: key layouts, of contiguous,paged (default: both)")
     ap.add_argument("--graphs", action="store_true",
                     help="decode: also time every path compiled with "
-                         "dosa_jax.decode.LOOP_COMPILER_OPTIONS (the loop in CUDA graphs)")
+                         "benchmarks.decode.GRAPH_COMPILER_OPTIONS (the loop in CUDA graphs)")
     a = ap.parse_args(argv)
     preset = (QUICK if a.quick else PRESETS)[a.preset]
     if a.layouts:

@@ -49,6 +49,11 @@ GAP = 8
 PAGE = 64
 #: The indexer whose query stream replaces the case's halfway through the exactness run.
 OTHER = Case("prose", 3)
+#: XLA compile options of the ``--graphs`` study: the loop, its steps and each step's
+#: ``lax.cond`` captured in command buffers (CUDA graphs; conditionals evaluated on the device
+#: instead of read back by the host). The same program and answer; only the compile differs.
+GRAPH_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer":
+                          "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"}
 
 
 def copy_bandwidth(nbytes: int = 1 << 31, repeats: int = 10) -> float:
@@ -115,11 +120,11 @@ def jnp_scores(q, w, lengths, k, s):
 
 def scanned(step, graphs: bool = False):
     """jit of a lax.scan of ``step(state, q, w, lengths) -> (state, out)`` over steps;
-    ``graphs``: compiled with :data:`dosa_jax.decode.LOOP_COMPILER_OPTIONS`."""
+    ``graphs``: compiled with :data:`GRAPH_COMPILER_OPTIONS`."""
     def run(qs, ws, ls, state, *rest):
         return lax.scan(lambda st, x: step(st, *x, *rest), state, (qs, ws, ls))
     if graphs:
-        return jax.jit(run, compiler_options=dosa_jax.decode.LOOP_COMPILER_OPTIONS)
+        return jax.jit(run, compiler_options=GRAPH_COMPILER_OPTIONS)
     return jax.jit(run)
 
 
@@ -211,10 +216,9 @@ def exactness(tab: Table, inp, other, cfg, steps: int) -> None:
 
 def graph_times(row, f_dec, args, g_dec, expect, base, dense, xla, steps: int, warmup: int,
                 repeats: int) -> None:
-    """The row's decode, dense and XLA loops compiled with
-    :data:`dosa_jax.decode.LOOP_COMPILER_OPTIONS` (command buffers: the loop and each step's
-    ``lax.cond`` run as CUDA graphs), timed beside the default compile: the same answer
-    bitwise (checked), ms per step and their ratios."""
+    """The row's decode, dense and XLA loops compiled with :data:`GRAPH_COMPILER_OPTIONS`
+    (command buffers: the loop and each step's ``lax.cond`` run as CUDA graphs), timed beside
+    the default compile: the same answer bitwise (checked), ms per step and their ratios."""
     _, (gi, gs, _) = g_dec(*args)
     row["graphs_eq"] = bool(jnp.all(gi == expect[0])) and _bits_equal(gs, expect[1])
     per_step = lambda f, a, r: timeit(f, *a, warmup=warmup, repeats=r).seconds * 1e3 / steps
@@ -357,7 +361,7 @@ def decode(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
                     "of a 2 GiB device copy; scan/copy: the kernel the step scans with",
                     "workspace: records + witness table + selection buffer (independent of N)",
                     weights_note(meta)] + ([
-                    "graphs: the same loops compiled with dosa_jax.decode.LOOP_COMPILER_OPTIONS "
+                    "graphs: the same loops compiled with benchmarks.decode.GRAPH_COMPILER_OPTIONS "
                     "(command buffers for fusions, custom calls, conditionals and while loops); "
                     "decode (again): the default compile timed once more beside them"]
                     if p.graphs else []))

@@ -42,6 +42,11 @@ of ``--repeats`` calls after warm-up):
   seed-kernel scores alone, the kernel gathering each row from the key cache
   (``witness_keys(direct=True)``, the default where ``direct_rows`` allows) against a table
   of the rows gathered first (checked bitwise equal);
+* ``step, sequence 0 stale``: the whole step with sequence 0's witnesses gone (its ids −1:
+  no τ_w, so the canonical scan answers it, and only it: ``exact_rows``), checked equal to the
+  step's answer; ``step, every sequence by the canonical scan``: the step with the screen off
+  (``decode_topk(screen=False)``), what such a step cost when one stale sequence sent the
+  whole batch to the canonical scan;
 * with ``--kernels``: the whole step's kernels, each one's device time per step
   (:func:`benchmarks.devtime.device_breakdown`: the span, the busy time of the streams, the
   idle time between launches, and the costliest kernels with their XLA op), a second table;
@@ -81,7 +86,7 @@ class Shape(NamedTuple):
 
 
 #: The screen variants timed beside the default (``--studies``).
-STUDIES = ("mma", "ahead", "tiles", "warps", "splits", "fp8", "rows")
+STUDIES = ("mma", "ahead", "tiles", "warps", "splits", "fp8", "rows", "stale")
 
 
 #: The parts timed in every run (``--parts`` picks among them; the studies follow them).
@@ -250,6 +255,18 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
             raise AssertionError("witness rows read in place score differently")
         variants += [("witness rows read in place", f_in, rows_args),
                      ("witness rows from a gathered table", f_table, rows_args)]
+    if "stale" in studies:
+        stale = st._replace(ids=st.ids.at[0].set(-1))
+        got = step(qs[3], ws[3], ls[3], k, s, stale)[0]
+        want = step(qs[3], ws[3], ls[3], k, s, st)[0]
+        if not (bool(jnp.array_equal(got.indices, want.indices))
+                and bool(jnp.array_equal(got.scores, want.scores))):
+            raise AssertionError("the step with a stale sequence answers differently")
+        f_canon = jax.jit(lambda q, w, k, s, ids, n: kd.decode_topk(
+            q, k, w, ids, s, n, None, cfg, screen=False)[:2])
+        variants += [("step, sequence 0 stale", step, (qs[3], ws[3], ls[3], k, s, stale)),
+                     ("step, every sequence by the canonical scan", f_canon,
+                      (q, w, k, s, ids, n))]
     if k.dtype == jnp.float8_e4m3fn and "fp8" in studies:   # not certified: a study
         try:   # a study: if this MMA does not compile here, the other parts are still timed
             f = screen_variant(fp8_mma=True)

@@ -9,7 +9,7 @@
 # witness_timing (WT_ARGS adds options, e.g. --cases code1,code2 --widths 0,4096 --survivor-costs 1,2 --splits 0,2) |
 # decode | decode32 | decode64 (decode: every row within its time budget; decode32/64: one H each) |
 # decode_graphs (B = 1, 8 at N = 1M, 128K, H = 32, contiguous: every loop also compiled with
-# dosa_jax.decode.LOOP_COMPILER_OPTIONS) |
+# benchmarks.decode.GRAPH_COMPILER_OPTIONS) |
 # decode_parts (one decode step timed by part; PARTS_ARGS adds options, e.g. --B 1 --N 131072) |
 # slack_train | slack_eval (the slack fine-tune in two calls: slack_train writes every λ's
 # weights_lambda_<λ>.npz to $OUT; slack_eval measures the files in SLACK_WEIGHTS, a folder the

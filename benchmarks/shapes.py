@@ -60,7 +60,7 @@ class Preset(NamedTuple):
     check_steps: int = 0
     budget_s: float = float("inf")
     # decode: key layouts timed, and whether each path is also timed compiled with
-    # ``dosa_jax.decode.LOOP_COMPILER_OPTIONS`` (the loop in command buffers)
+    # ``benchmarks.decode.GRAPH_COMPILER_OPTIONS`` (the loop in command buffers)
     layouts: Tuple[str, ...] = ("contiguous", "paged")
     graphs: bool = False
 

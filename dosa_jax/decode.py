@@ -58,15 +58,8 @@ MAX_QUERIES = 4
 ACCEPT_ALL = int(INT32_MIN) + 1
 #: Witnesses carried per query and step, in units of K (``decode_init``'s default width).
 WITNESS_FACTOR = 4
-#: XLA compile options for a generation loop on a GPU (``jax.jit(loop,
-#: compiler_options=LOOP_COMPILER_OPTIONS)``): the loop, its steps and each step's fallback
-#: ``lax.cond`` are captured in command buffers (CUDA graphs), so the predicate is evaluated on
-#: the device instead of read back by the host. Options of the compiler only: the same
-#: program, the same answer bitwise (DESIGN §11).
-LOOP_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer":
-                         "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"}
 
-__all__ = ["DecodeState", "DecodeStats", "LOOP_COMPILER_OPTIONS", "MAX_QUERIES", "WITNESS_FACTOR", "best_witnesses",
+__all__ = ["DecodeState", "DecodeStats", "MAX_QUERIES", "WITNESS_FACTOR", "best_witnesses",
            "candidate_capacity", "decode_config", "decode_init", "decode_topk_reference",
            "differentiable_scores", "distinct_pool", "fit_witnesses", "key_table", "looked_at",
            "select_and_witness", "select_with_witnesses", "selected_rows", "witness_budget",

@@ -650,6 +650,16 @@ def screened_step(prep, q, w, theta, wk, wids, lengths, B: int, K: int, cap: int
     return (idx, key_to_score(top_key), cand, jnp.zeros((B,), jnp.int32), nxt), need_exact
 
 
+def exact_rows(exact, need, lengths, tail, screened):
+    """The screened step's outputs with the rows that ``need`` [B] it answered by the
+    canonical scan (``exact(lengths, *tail)``: :func:`exact_step`), which scans only those
+    rows' keys: the others' lengths are 0 to it (no key tile), their outputs the screen's.
+    A batch where one sequence's witnesses went stale scans that sequence, not the batch."""
+    out = exact(jnp.where(need, lengths, 0), *tail)
+    pick = lambda e, o: jnp.where(need.reshape(need.shape + (1,) * (e.ndim - 1)), e, o)
+    return jax.tree_util.tree_map(pick, out, screened)
+
+
 def decode_topk(q, k, w, ids, k_scale, lengths, page_table, config, *, tiles: Tiles = Tiles(),
                 key_tile: int = KEY_TILE, splits=None, interpret=None, combine=None,
                 screen=None):
@@ -662,9 +672,10 @@ def decode_topk(q, k, w, ids, k_scale, lengths, page_table, config, *, tiles: Ti
     with ``combine`` (context parallel) they are (ids, order keys), as the reference's.
 
     ``screen`` (default: :func:`screens`): scan with one query slot and each key's upper
-    bound, rescore the candidates with the canonical tile; a step whose screen cannot
-    certify its candidates (no τ_w, an overflow) runs the canonical scan instead
-    (``lax.cond``), so the answer is the canonical one either way.
+    bound, rescore the candidates with the canonical tile; the sequences whose screen cannot
+    certify their candidates (no τ_w, an overflow) are answered by the canonical scan of
+    their keys instead (:func:`exact_rows`, under a ``lax.cond`` taken when any sequence
+    needs it), so every answer is the canonical one either way.
     """
     B, M = q.shape[:2]
     K = config.top_k
@@ -673,8 +684,8 @@ def decode_topk(q, k, w, ids, k_scale, lengths, page_table, config, *, tiles: Ti
     prep = prepare(q, w, k, k_scale, page_table, tiles=tiles, key_tile=key_tile)
     theta, n_wit, wk, wids = witness_threshold(prep, ids, lengths, M, K, interpret=interpret,
                                                combine=combine)
-    exact = functools.partial(exact_step, prep, theta, wk, wids, lengths, B, M, K, cap, carry,
-                              splits, interpret)
+    exact = functools.partial(exact_step, prep, theta, wk, wids)
+    tail = (B, M, K, cap, carry, splits, interpret)
     if screen is None:
         screen = screens(q, k)
     if screen:
@@ -682,10 +693,11 @@ def decode_topk(q, k, w, ids, k_scale, lengths, page_table, config, *, tiles: Ti
             raise ValueError(f"the decode screen takes one query per sequence, got M={M}")
         out, need_exact = screened_step(prep, q, w, theta, wk, wids, lengths, B, K, cap, carry,
                                          splits, interpret)
-        idx, sc, cand, over, nxt = lax.cond(jnp.any(need_exact), lambda o: exact(), lambda o: o,
-                                            out)
+        idx, sc, cand, over, nxt = lax.cond(
+            jnp.any(need_exact), lambda o: exact_rows(exact, need_exact, lengths, tail, o),
+            lambda o: o, out)
     else:
-        idx, sc, cand, over, nxt = exact()
+        idx, sc, cand, over, nxt = exact(lengths, *tail)
     r = lambda x: x.reshape(B, SLOTS, *x.shape[1:])[:, :M]
     rb = lambda x: x.reshape(B, M, *x.shape[1:])
     nxt = tuple(a.reshape(B, M, carry) for a in nxt)
@@ -718,6 +730,6 @@ __all__ = ["KEY_TILE", "Prepared", "SLOTS", "decode_scan", "decode_topk", "decod
            "default_splits", "gather_candidates", "gather_records", "key_layout", "key_norm_upper",
            "key_rows", "max_screen_splits", "prepare", "record_witnesses", "scan_records",
            "scan_tile", "screen_layout",
-           "exact_step", "screen_margin_coefficient", "screen_records", "screen_upper",
+           "exact_rows", "exact_step", "screen_margin_coefficient", "screen_records", "screen_upper",
            "screened_step", "screens",
            "direct_rows", "reads_rows_in_place", "witness_keys", "witness_threshold", "workspace_bytes"]

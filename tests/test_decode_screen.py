@@ -306,6 +306,7 @@ def test_decode_parts_benchmark_runs_on_cpu(tmp_path):
     assert "screen, scales read in each tile (records bitwise the same)" in parts
     assert "screen, scales a tile ahead, 4 stages (records bitwise the same)" in parts
     assert {"witness rows read in place", "witness rows from a gathered table"} <= set(parts)
+    assert {"step, sequence 0 stale", "step, every sequence by the canonical scan"} <= set(parts)
     assert any("sorted pool" in n and "bitwise" in n for n in saved["notes"])
     assert all(r["ms"] > 0 for r in saved["rows"])
     assert (tmp_path / "decode_parts_cpu.md").exists()
@@ -422,3 +423,65 @@ def test_witness_rows_read_in_place_score_as_the_gathered_table(paged):
         kd.witness_keys(prep.ops, prep.kp, None, rows, first, 1, prep.tiles, True, direct=True)
     big = jax.ShapeDtypeStruct((1, 1 << 24, 128), jnp.float8_e4m3fn)   # 2^31 elements
     assert not kd.direct_rows(big, prep.scale)
+
+
+def test_exact_rows_scans_only_the_rows_that_need_it():
+    """exact_rows: the canonical step sees the lengths of the rows that need it and 0 for the
+    others (no key tile of theirs is scanned); each output row comes from the canonical step
+    where needed, from the screen elsewhere."""
+    lengths = jnp.array([50, 60, 70], jnp.int32)
+    need = jnp.array([False, True, False])
+    seen = []
+
+    def exact(n, tag):
+        seen.append(np.asarray(n))
+        return (jnp.broadcast_to(n[:, None], (3, 2)), n + 1000)
+
+    screened = (jnp.full((3, 2), -7, jnp.int32), jnp.full((3,), -8, jnp.int32))
+    out = kd.exact_rows(exact, need, lengths, ("tag",), screened)
+    np.testing.assert_array_equal(seen[0], [0, 60, 0])
+    np.testing.assert_array_equal(np.asarray(out[0]), [[-7, -7], [60, 60], [-7, -7]])
+    np.testing.assert_array_equal(np.asarray(out[1]), [-8, 1060, -8])
+
+
+def _stale_batch(N, K, interpret, seed=4):
+    """Three sequences answered in one step twice: each carrying its last answer, and with
+    sequence 1's witnesses gone. Checks the second against dense_topk bitwise and its
+    certified rows (0, 2) against the first, every output bitwise."""
+    rng = np.random.default_rng(seed)
+    B = 3
+    k, s = _keys(rng, B, N, jnp.float8_e4m3fn)
+    q = jnp.asarray(rng.normal(size=(B, 1, H, D)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(B, 1, H)), jnp.float32)
+    lengths = jnp.array([N - 112, N, N - 179], jnp.int32)
+    cfg = dosa_jax.Config(top_k=K, capacity=3 * K)
+    di, ds = _dense_per_sequence(q, k, w, s, lengths, cfg.replace(backend="pallas"))
+    last = jnp.concatenate([jnp.asarray(np.asarray(di[:, 0]), jnp.int32),
+                            jnp.full((B, 3 * K), -1, jnp.int32)], axis=1)
+    stale = last.at[1].set(-1)
+    run = lambda ids: kd.decode_topk(q, k, w, ids, s, lengths, None, cfg, interpret=interpret,
+                                     splits=2)
+    mixed, certified = run(stale), run(last)
+    assert np.isneginf(np.asarray(mixed[2].tau_witness)[1]).all()
+    assert np.isfinite(np.asarray(certified[2].tau_witness)).all()
+    assert int(np.asarray(mixed[2].overflow)[1].sum()) == 1
+    np.testing.assert_array_equal(np.asarray(mixed[0]), np.asarray(di))
+    np.testing.assert_array_equal(_bits(mixed[1]), _bits(ds))
+    same = lambda x: _bits(x) if x.dtype == jnp.float32 else np.asarray(x)
+    for a, b in zip(jax.tree_util.tree_leaves(mixed), jax.tree_util.tree_leaves(certified)):
+        np.testing.assert_array_equal(same(a)[[0, 2]], same(b)[[0, 2]])
+
+
+def test_a_stale_sequence_leaves_its_batch_mates_screened():
+    """A batch where one sequence has no witnesses (its step needs the canonical scan) and the
+    others carry their last answer: every answer equals dense_topk bitwise, and every output
+    of a certified sequence (indices, scores, statistics, next witnesses) is what it gets in a
+    batch where no sequence needs the canonical scan: its batch mates do not change its step."""
+    _stale_batch(512, 16, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not dosa_jax.backend.on_gpu(), reason="needs a GPU")
+def test_gpu_compiled_stale_sequence_leaves_its_batch_mates_screened():
+    """The same with the compiled kernels at 32K keys, K = 512."""
+    _stale_batch(32768, 512, False)
