@@ -22,7 +22,9 @@ to the pallas ``dense_topk`` of each sequence), then the median time of a jitted
 The scan kernel alone (from the last step's τ_w) gives the achieved bandwidth: payload +
 scale bytes of the visible keys over its time, against a device copy measured in the same
 run. τ_w/τ* is the median over steps and sequences with τ* > 0 (a mean is dominated by the
-steps whose τ* is close to 0); candidates per query and the overflow share are means.
+steps whose τ* is close to 0); candidates per query and the overflow share are means. The
+first step (from ``decode_init``: every witness slot empty, filled with the sequences' seeds)
+is not timed; its candidates per query and overflow share are columns of their own.
 
 The ``exactness`` rows: ≥ 1000 consecutive steps (B = 8) compared with ``dense_topk`` step by
 step, the queries switching to another text's stream halfway (the witnesses become useless)
@@ -245,7 +247,8 @@ def one_row(tab, p: Preset, case: Case, inp, B: int, paged: bool, copy_gbs: floa
     k, s, pt = caches(inp, B, paged)
     kc, scc, _ = caches(inp, B, False) if paged else (k, s, None)
     # the state a generation loop has at the first timed step: one step from decode_init
-    _, state0 = jax.jit(lambda q, w, n, k, s, pt: dosa_jax.decode_topk(
+    # (the witness slots all empty: the seeds give that step its τ_w)
+    res0, state0 = jax.jit(lambda q, w, n, k, s, pt: dosa_jax.decode_topk(
         q, k, w, dosa_jax.decode_init(B, cfg), k_scale=s, lengths=n,
         page_table=pt if paged else None, config=cfg))(qs[0], ws[0], ls[0], k, s, pt)
     f_dec = decode_fn(cfg, paged)
@@ -261,7 +264,9 @@ def one_row(tab, p: Preset, case: Case, inp, B: int, paged: bool, copy_gbs: floa
     row = dict(case=case.name, H=case.H, N=N, B=B, layout="paged" if paged else "contiguous",
                decode_eq_dense=eq, tau_ratio=float(np.median(tau_w[ok] / tau_star[ok])) if ok.any()
                else None, candidates=float(np.mean(np.asarray(st.candidates))),
-               overflow_share=float(np.mean(np.asarray(st.overflow))))
+               overflow_share=float(np.mean(np.asarray(st.overflow))),
+               first_candidates=float(np.mean(np.asarray(res0.stats.candidates))),
+               first_overflow_share=float(np.mean(np.asarray(res0.stats.overflow))))
     log(f"[decode] {case.name} N={N} B={B} {row['layout']}: checked at "
         f"{time.perf_counter() - t0:.1f}s, decode == dense {eq}")
     t_dec = timeit(f_dec, *args, warmup=warmup, repeats=repeats)
@@ -337,6 +342,8 @@ def decode(p: Preset, Ns, cases, out, meta, repeats, warmup) -> Table:
             ("bandwidth_share", "scan/copy"),
             ("tau_ratio", "τ_w/τ* (median)"), ("candidates", "candidates/query"),
             ("overflow_share", "overflow share"), ("overflow_steps", "overflow steps"),
+            ("first_candidates", "first step candidates/query"),
+            ("first_overflow_share", "first step overflow share"),
             ("workspace_mib", "workspace MiB"),
             ("decode_eq_dense", "decode == dense bitwise"), ("mismatches", "mismatches"),
             ("steps", "steps"), ("clock", "clock")]

@@ -43,10 +43,13 @@ of ``--repeats`` calls after warm-up):
   (``witness_keys(direct=True)``, the default where ``direct_rows`` allows) against a table
   of the rows gathered first (checked bitwise equal);
 * ``step, sequence 0 stale``: the whole step with sequence 0's witnesses gone (its ids −1:
-  no τ_w, so the canonical scan answers it, and only it: ``exact_rows``), checked equal to the
-  step's answer; ``step, every sequence by the canonical scan``: the step with the screen off
-  (``decode_topk(screen=False)``), what such a step cost when one stale sequence sent the
-  whole batch to the canonical scan;
+  ``dosa_jax.decode_topk`` gives its empty slots the sequence's seeds,
+  ``decode.seeded_witnesses``), checked equal to the step's answer; ``step, sequence 0
+  stale, unseeded``: the same ids given to the kernels as they are (``pallas_kernels.decode.
+  decode_topk``: no τ_w for sequence 0, so the canonical scan answers it, and only it:
+  ``exact_rows``), checked equal too; ``step, every sequence by the canonical scan``: the
+  step with the screen off (``decode_topk(screen=False)``), what such a step cost when one
+  stale sequence sent the whole batch to the canonical scan;
 * with ``--kernels``: the whole step's kernels, each one's device time per step
   (:func:`benchmarks.devtime.device_breakdown`: the span, the busy time of the streams, the
   idle time between launches, and the costliest kernels with their XLA op), a second table;
@@ -264,7 +267,14 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
             raise AssertionError("the step with a stale sequence answers differently")
         f_canon = jax.jit(lambda q, w, k, s, ids, n: kd.decode_topk(
             q, k, w, ids, s, n, None, cfg, screen=False)[:2])
+        f_kernels = jax.jit(lambda q, w, k, s, ids, n: kd.decode_topk(
+            q, k, w, ids, s, n, None, cfg)[:2])    # the ids as given: no seeds
+        bare, fresh = f_kernels(q, w, k, s, stale.ids, n), f_kernels(q, w, k, s, ids, n)
+        if not (bool(jnp.array_equal(bare[0], fresh[0]))
+                and bool(jnp.array_equal(bare[1], fresh[1]))):
+            raise AssertionError("the unseeded step with a stale sequence answers differently")
         variants += [("step, sequence 0 stale", step, (qs[3], ws[3], ls[3], k, s, stale)),
+                     ("step, sequence 0 stale, unseeded", f_kernels, (q, w, k, s, stale.ids, n)),
                      ("step, every sequence by the canonical scan", f_canon,
                       (q, w, k, s, ids, n))]
     if k.dtype == jnp.float8_e4m3fn and "fp8" in studies:   # not certified: a study

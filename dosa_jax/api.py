@@ -217,7 +217,9 @@ def decode_topk(q, k, w, state: "decode.DecodeState", *, k_scale=None, lengths=N
       page_table: [B, max_pages] page ids of each sequence (paged keys); ids outside
         [0, P) are clipped.
       config: :class:`Config` (static): ``top_k``, ``capacity`` (compaction buffer per query,
-        default 2·K), ``key_block``, ``backend``.
+        default 4·K), ``key_block``, ``backend``; ``seed_strategy``, ``sink_size`` and
+        ``local_fraction`` lay out the seeds that the state's empty witness slots take
+        (:func:`~dosa_jax.decode.seeded_witnesses`).
     Returns:
       (TopKResult with indices [B, K] (or [B, M, K]) int32 sequence positions (score desc,
       id asc; −1 pads), scores float32 (−inf pads), stats :class:`~dosa_jax.decode.DecodeStats`; the next
@@ -230,6 +232,7 @@ def decode_topk(q, k, w, state: "decode.DecodeState", *, k_scale=None, lengths=N
         config.context_axis, 1)[0]
     q, k, w, ids, k_scale, lengths, page_table, squeeze = decode.check_decode_inputs(
         q, k, w, state, k_scale, lengths, page_table, devices=devices)
+    ids = decode.seeded_witnesses(ids, lengths, config)   # empty slots: the sequence's seeds
     if config.context_axis is not None:   # keys sharded along a mesh axis, positions global
         idx, sc, stats, nxt = context_parallel.decode_topk(
             q, k, w, ids, k_scale, lengths, page_table, config, dispatch=_dispatch)

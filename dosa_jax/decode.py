@@ -15,8 +15,14 @@ the previous selection, and the ~40 % of the previous winners that lose the curr
 (trained indexers, consecutive positions) score far below τ*, often below zero. With 4·K
 witnesses τ_w is the K-th of 4·K keys that all scored high recently.
 
-When fewer than K distinct visible witnesses exist (first step, short sequence, stale ids),
-τ_w = −inf and every visible key is a candidate. When more candidates than the buffer holds
+A witness slot holding no visible key (the first step from ``decode_init``, a reset or stale
+state, ids past a shorter sequence) takes one of the sequence's seeds instead
+(:func:`seeded_witnesses`: the prefill's seed layout — the most recent keys first, the
+sinks, strided keys): seeds are visible keys, so τ_w stays a lower bound, and a sequence
+with no witnesses starts from its seeds' threshold rather than from none (on the trained
+indexers the first step then keeps about 1–3·K candidates). Only with fewer than K
+distinct visible keys among witnesses and seeds (a sequence shorter than K, a state
+narrower than K) is τ_w = −inf and every visible key a candidate. When more candidates than the buffer holds
 clear τ_w (a topic change makes the witnesses useless), the step falls back to exact
 selection over all scores (``lax.cond``: no value leaves the device program; XLA:GPU reads
 the predicate back itself to choose the branch). Either way the answer is
@@ -47,7 +53,7 @@ from jax import lax
 from dosa_jax.config import Config
 from dosa_jax.inputs import FLOAT_INPUT_DTYPES, FP8_DTYPE
 from dosa_jax.scorer import full_scores_tile
-from dosa_jax.seeds import distinct_visible
+from dosa_jax.seeds import distinct_visible, seed_at, seed_layout
 from dosa_jax.selection import INT32_MIN, key_to_score, order_key
 
 Array = jax.Array
@@ -62,7 +68,8 @@ WITNESS_FACTOR = 4
 __all__ = ["DecodeState", "DecodeStats", "MAX_QUERIES", "WITNESS_FACTOR", "best_witnesses",
            "candidate_capacity", "decode_config", "decode_init", "decode_topk_reference",
            "differentiable_scores", "distinct_pool", "fit_witnesses", "key_table", "looked_at",
-           "select_and_witness", "select_with_witnesses", "selected_rows", "witness_budget",
+           "seeded_witnesses", "select_and_witness", "select_with_witnesses", "selected_rows",
+           "witness_budget",
            "witness_threshold"]
 
 
@@ -261,6 +268,25 @@ def witness_threshold(keys: Array, witness_ids: Array, length, K: int, combine=N
         return jnp.full((keys.shape[0],), ACCEPT_ALL, jnp.int32), n_wit, wk
     kth = lax.top_k(wk if combine is None else combine(wk), K)[0][:, K - 1]
     return jnp.where(kth == INT32_MIN, ACCEPT_ALL, kth), n_wit, wk
+
+
+def seeded_witnesses(ids: Array, lengths: Array, config: Config) -> Array:
+    """The state's witness ids [B, W] with every slot outside ``[0, lengths[b])`` (−1 from
+    ``decode_init``, stale, or past a shorter sequence) given a seed of its sequence
+    (:func:`dosa_jax.seeds.seed_at`: the ``Config.seed_strategy`` layout of W seeds over the
+    visible keys, ``sink_size`` sinks, ``local_fraction`` of them the most recent keys; the
+    r-th empty slot of a row takes the r-th seed, local keys most recent first). Seeds are
+    visible keys of the sequence, so their K-th largest current score is still a lower
+    bound on τ*: a sequence without witnesses (the first step, a reset state) gets a τ_w
+    from its seeds instead of none, and one with few gets a higher one. Repeats of a carried
+    witness count once (:func:`witness_threshold`). Changes the work, never the answer."""
+    B, W = ids.shape
+    lengths = lengths.astype(jnp.int32)
+    layout = seed_layout(jnp.zeros((B,), jnp.int32), lengths, config.seed_strategy, W,
+                         config.sink_size, config.local_fraction)
+    empty = (ids < 0) | (ids >= lengths[:, None])
+    rank = jnp.cumsum(empty.astype(jnp.int32), axis=1) - 1
+    return jnp.where(empty, seed_at(layout, rank), ids).astype(jnp.int32)
 
 
 def witness_budget(W: int, M: int) -> int:

@@ -70,6 +70,20 @@ def seed_ids(layout: SeedLayout, padded: int):
     return jnp.where(valid, ids, -1), valid
 
 
+def seed_at(layout: SeedLayout, rank):
+    """The ``rank``-th seed of each query ([T, R] ranks → key ids, −1 from its seed count
+    on): the local window's keys most recent first, then the sinks, then the strided keys —
+    the seeds a decode step's empty witness slots take in turn
+    (:func:`dosa_jax.decode.seeded_witnesses`). The same set as :func:`seed_ids`, in
+    another order."""
+    lo, hi = layout.lo[:, None], layout.hi[:, None]
+    a, b, c, st = (x[:, None] for x in (layout.sinks, layout.local, layout.strided, layout.stride))
+    r = jnp.asarray(rank, jnp.int32)
+    ids = jnp.where(r < b, hi - 1 - r,
+                    jnp.where(r < a + b, lo + (r - b), lo + a + (r - a - b) * st))
+    return jnp.where((r >= 0) & (r < a + b + c), ids, -1)
+
+
 def is_seed(ids, layout: SeedLayout):
     """Whether key ``ids`` [T, B] is one of the query's seeds (O(1) per key)."""
     lo, hi = layout.lo[:, None], layout.hi[:, None]

@@ -222,6 +222,82 @@ def test_invalid_stale_and_repeated_witnesses_are_harmless():
         assert float(res.stats.tau_witness[b]) == float(ds[b, 0, -1])
 
 
+@pytest.mark.parametrize("strategy", ["union", "local", "sinks", "strided"])
+def test_seed_at_is_the_seed_set_local_keys_most_recent_first(strategy):
+    """seed_at ranks the seed_ids set: local window newest first, then sinks, then strided;
+    −1 past the seed count and for negative ranks; every key of a short range."""
+    from dosa_jax.seeds import seed_at, seed_ids, seed_layout
+    lo = jnp.array([0, 0, 5, 0, 3], jnp.int32)
+    hi = jnp.array([1000, 40, 900, 0, 3], jnp.int32)
+    size = 64
+    lay = seed_layout(lo, hi, strategy, size, 8, 0.5)
+    rank = jnp.broadcast_to(jnp.arange(-1, size + 3, dtype=jnp.int32), (5, size + 4))
+    got = np.asarray(seed_at(lay, rank))
+    want, valid = (np.asarray(x) for x in seed_ids(lay, size))
+    a, b = np.asarray(lay.sinks), np.asarray(lay.local)
+    for t in range(5):
+        g = got[t, 1:size + 1]
+        n = int(valid[t].sum())
+        assert got[t, 0] == -1 and (got[t, size + 1:] == -1).all() and (g[n:] == -1).all()
+        assert sorted(g[:n]) == sorted(want[t][valid[t]])              # the same set
+        assert list(g[:b[t]]) == list(range(hi[t] - 1, hi[t] - 1 - b[t], -1))   # newest first
+        assert list(g[b[t]:a[t] + b[t]]) == list(range(lo[t], lo[t] + a[t]))
+    assert sorted(got[1, 1:41]) == list(range(40))                 # a short range: every key
+    assert (got[3] == -1).all() and (got[4] == -1).all()           # empty ranges: no seed
+
+
+def test_empty_witness_slots_take_the_sequences_seeds():
+    """seeded_witnesses keeps every visible id in its slot and gives the r-th empty slot
+    (−1, negative, past the sequence's length) the r-th seed of that sequence."""
+    from dosa_jax.seeds import seed_at, seed_layout
+    cfg = dosa_jax.Config(top_k=8, sink_size=4, local_fraction=0.5)
+    ids = jnp.array([[-1, 500, 7, -1, 999, 12, -3, -1],
+                     [3, 3, 60, -1, 2, 1, 0, 5],
+                     [-1] * 8, [4, -1, 9, -1, 0, 1, 2, 3]], jnp.int32)
+    lengths = jnp.array([1000, 50, 0, 6], jnp.int32)
+    got = np.asarray(dec.seeded_witnesses(ids, lengths, cfg))
+    lay = seed_layout(jnp.zeros((4,), jnp.int32), lengths, "union", 8, 4, 0.5)
+    seeds = np.asarray(seed_at(lay, jnp.broadcast_to(jnp.arange(8), (4, 8))))
+    ids = np.asarray(ids)
+    for b in range(4):
+        empty = (ids[b] < 0) | (ids[b] >= int(lengths[b]))
+        np.testing.assert_array_equal(got[b][~empty], ids[b][~empty])
+        np.testing.assert_array_equal(got[b][empty], seeds[b][:empty.sum()])
+    assert list(got[0][[0, 3, 6, 7]]) == [999, 998, 997, 996]   # the newest keys first
+    assert (got[2] == -1).all()                                  # nothing visible: no seed
+    assert list(got[3]) == [4, 0, 1, 2, 0, 1, 2, 3]               # short: every key, in order
+
+
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+def test_a_cold_state_takes_its_threshold_from_the_seeds(backend):
+    """A trained indexer (fixture: code, layer 3) stepped from decode_init: the seeds give
+    every sequence τ_w on the first step, so candidates stay near K and no buffer overflows;
+    the same ids given to the step unseeded have no τ_w and overflow everywhere. The
+    answers equal dense_topk's bitwise either way."""
+    from dosa_jax import datasets
+    inp = datasets.trained("code", 3)
+    T, N = inp.q.shape[0], inp.k.shape[0]
+    B, K = 4, 128
+    t = np.array([T - 1, T - 17, T - 33, T - 49])
+    k, s = jnp.tile(inp.k[None], (B, 1, 1)), jnp.tile(inp.k_scale[None], (B, 1))
+    cfg = dosa_jax.Config(top_k=K, backend=backend, capacity=2 * K)
+    lengths = jnp.asarray(N - T + t + 1, jnp.int32)
+    res, nxt = dosa_jax.decode_topk(inp.q[t], k, inp.w[t], dec.decode_init(B, cfg), k_scale=s,
+                                    lengths=lengths, config=cfg)
+    di, ds = _dense_per_sequence(inp.q[t][:, None], k, inp.w[t][:, None], s, lengths, cfg)
+    np.testing.assert_array_equal(np.asarray(res.indices), np.asarray(di[:, 0]))
+    np.testing.assert_array_equal(_bits(res.scores), _bits(ds[:, 0]))
+    assert np.isfinite(np.asarray(res.stats.tau_witness)).all()
+    assert (np.asarray(res.stats.overflow) == 0).all()
+    assert (np.asarray(res.stats.candidates) < 2 * K).all()
+    assert (np.asarray(res.stats.witnesses) == 4 * K).all()       # every slot a distinct seed
+    np.testing.assert_array_equal(np.asarray(nxt.ids)[:, :K], np.asarray(res.indices))
+    none = jnp.full((B, 4 * K), -1, jnp.int32)
+    _, _, bare, _ = dec.decode_topk_reference(inp.q[t][:, None], k, inp.w[t][:, None], none, s,
+                                              lengths, None, cfg)
+    assert np.isneginf(np.asarray(bare.tau_witness)).all() and np.asarray(bare.overflow).all()
+
+
 @pytest.mark.parametrize("backend", ["reference", "pallas"])
 def test_nan_keys_zero_weights_and_massive_ties(backend):
     """NaN scores are never selected (nor witnesses), all-zero scores tie everywhere (the
@@ -476,6 +552,7 @@ def test_decode_benchmark_quick(tmp_path):
         assert r["dense_over_decode"] == pytest.approx(r["dense_ms"] / r["decode_ms"])
         assert 0 < r["candidates"] and r["workspace_mib"] > 0
         assert r["tau_ratio"] > 0.5 and r["overflow_share"] < 0.5   # the witnesses work
+        assert 0 < r["first_candidates"] and 0 <= r["first_overflow_share"] <= 1
     ex, = [r for r in tab.rows if r["layout"] == "exactness"]
     assert ex["mismatches"] == 0 and ex["steps"] == p.check_steps and not tab.errors
     saved = json.loads((tmp_path / "decode.json").read_text())
