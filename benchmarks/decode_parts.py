@@ -13,8 +13,9 @@ of ``--repeats`` calls after warm-up):
   rescored by the canonical tile, their selection and the next witnesses);
 * ``scan``: the canonical scan kernel from those τ_w (``scan_records``, what a step that the
   screen cannot certify runs);
-* ``gather``: the splits' records into the selection buffer and its Top-K
-  (``gather_records``, its overflow fallback included when a query overflows);
+* ``gather``: the splits' records of each sequence's real query slot into the selection
+  buffer and its Top-K (``gather_records``, its overflow fallback included when a query
+  overflows);
 * ``update``: the next witnesses from the buffer and the witnesses (``distinct_pool`` +
   ``best_witnesses``);
 * ``screened select``: the screened step's Top-K and next witnesses from its rescored
@@ -37,7 +38,8 @@ of ``--repeats`` calls after warm-up):
 * ``screen BK=… warps=… stages=…``: the screen at other tiles, Triton warps and pipeline
   stages (the default: ``SCREEN_KEY_TILE`` and the scan's ``Tiles``);
 * ``overflow update``: the same from all records (``record_witnesses``, the overflow path);
-* ``records select``: the exact selection over all records (the overflow fallback alone);
+* ``records select``: the exact selection over all records of the real slots (the overflow
+  fallback alone);
 * ``witness rows read in place`` / ``witness rows from a gathered table``: the witnesses'
   seed-kernel scores alone, the kernel gathering each row from the key cache
   (``witness_keys(direct=True)``, the default where ``direct_rows`` allows) against a table
@@ -172,15 +174,17 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
         prep(q, w, k, s), q, w, theta, wk, wids, n, B, K, cap, witness_budget(ids.shape[1], M),
         None, None))
     need_exact = f_screened(q, w, k, s, theta, wk, wids, n)[1]
-    f_gather = jax.jit(lambda rk, ri, cnt: kd.gather_records(rk, ri, cnt, K, cap))
+    real = jnp.arange(B) * kd.SLOTS      # the real query slot of each sequence (M = 1)
+    f_gather = jax.jit(lambda rk, ri, cnt: kd.gather_records(rk[real], ri[real], cnt[real], K,
+                                                             cap))
     idx, sc, total, over, (bk, bi) = f_gather(rk, ri, cnt)
     carry = witness_budget(ids.shape[1], M)
-    real = jnp.arange(B) * kd.SLOTS
     f_update = jax.jit(lambda bk, bi, wk, wids: best_witnesses(
-        *distinct_pool(bk[real], bi[real], wk[real], wids[real]), carry))
+        *distinct_pool(bk, bi, wk[real], wids[real]), carry))
     f_recwit = jax.jit(lambda rk, ri, cnt, wk, wids: kd.record_witnesses(
         rk[real], ri[real], cnt[real], K, carry, wk[real], wids[real]))
-    f_selrec = jax.jit(lambda rk, ri, cnt: rec.select_from_records(rk, ri, cnt, K))
+    f_selrec = jax.jit(lambda rk, ri, cnt: rec.select_from_records(rk[real], ri[real],
+                                                                   cnt[real], K))
     # the screened step's selection: one top_k over the candidates and the witnesses outside
     # them (a binary search), against the candidates' top_k and a sort of the pool
     def candidates(q, w, k, s, cri, ccnt):          # rescored as screened_step rescores them
@@ -309,9 +313,9 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
                 out, meta, notes=[
                     f"median of {repeats} calls after 2 warm-up, each part jitted alone",
                     "candidates/query: "
-                    + ", ".join(f"{x:.0f}" for x in np.asarray(total[real])),
+                    + ", ".join(f"{x:.0f}" for x in np.asarray(total)),
                     f"steps the screen cannot certify: {int(jnp.any(need_exact))}; "
-                    f"queries over the buffer: {int(jnp.sum(over[real]))} of {B}; splits "
+                    f"queries over the buffer: {int(jnp.sum(over))} of {B}; splits "
                     f"compacted mid-scan: {int(jnp.sum(app > rk.shape[2] - 64))}; "
                     f"splits {rk.shape[1]}, records per split {rk.shape[2]}; the screen's "
                     f"default splits {kd.screen_layout(B, N // screen_tile, K, screen_tile)[0]}",

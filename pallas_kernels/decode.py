@@ -615,21 +615,24 @@ def screens(q, k) -> bool:
 
 def exact_step(prep, theta, wk, wids, lengths, B: int, M: int, K: int, cap: int, carry: int,
                 splits, interpret):
-    """(indices, scores, candidates, overflow [B·M], next (ids, keys)) by the canonical scan."""
-    rk, ri, cnt, app = scan_records(prep, theta, lengths, M, K, splits=splits,
-                                    interpret=interpret)
-    idx, sc, _, over, (bk, bi) = gather_records(rk, ri, cnt, K, cap)
+    """(indices, scores, candidates, overflow [B·M], next (ids, keys)) by the canonical scan.
+
+    The scan fills 4 query slots per sequence; everything after it (the selection buffer,
+    its overflow fallback over all records, the next witnesses) reads the M real slots only
+    (at M = 1 a quarter of the rows)."""
     r = lambda x: x.reshape(B, SLOTS, *x.shape[1:])[:, :M]
     rm = lambda x: r(x).reshape((B * M,) + x.shape[1:])      # the M real slots only
+    rk, ri, cnt, app = (rm(x) for x in scan_records(prep, theta, lengths, M, K, splits=splits,
+                                                     interpret=interpret))
+    idx, sc, _, over, (bk, bi) = gather_records(rk, ri, cnt, K, cap)
     wit = (rm(wk), rm(wids))     # split buffers end compacted to their Top-K: dedupe by id
-    nxt = best_witnesses(*distinct_pool(rm(bk), rm(bi), *wit), carry)
+    nxt = best_witnesses(*distinct_pool(bk, bi, *wit), carry)
     nxt = lax.cond(jnp.any(over), lambda x: tuple(
-        jnp.where(rm(over)[:, None], a, b)
-        for a, b in zip(record_witnesses(rm(rk), rm(ri), rm(cnt), K, carry, *wit), x)),
+        jnp.where(over[:, None], a, b)
+        for a, b in zip(record_witnesses(rk, ri, cnt, K, carry, *wit), x)),
         lambda x: x, nxt)
     merged = jnp.any(app > rk.shape[2] - prep.BK, axis=1)   # a buffer compacted mid-scan
-    return (rm(idx), rm(sc), rm(jnp.sum(app, axis=1)), rm((over | merged).astype(jnp.int32)),
-            nxt)
+    return idx, sc, jnp.sum(app, axis=1), (over | merged).astype(jnp.int32), nxt
 
 
 def screened_step(prep, q, w, theta, wk, wids, lengths, B: int, K: int, cap: int, carry: int,
