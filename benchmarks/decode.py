@@ -182,6 +182,13 @@ def _summary(rows):
     ok = [r for r in rows if r.get("layout") != "exactness"]
     if ok:
         out["all rows decode == dense bitwise"] = all(r["decode_eq_dense"] for r in ok)
+        for key, name in (("dense_over_decode", "dense/decode"),
+                          ("score_exact_over_decode", "score+exact/decode"),
+                          ("xla_over_decode", "XLA/decode")):
+            vals = [r[key] for r in ok if r.get(key)]
+            if vals:
+                out[f"geometric mean of {name} over {len(vals)} rows"] = round(
+                    float(np.exp(np.mean(np.log(vals)))), 3)
     return out
 
 

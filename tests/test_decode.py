@@ -557,6 +557,10 @@ def test_decode_benchmark_quick(tmp_path):
     assert ex["mismatches"] == 0 and ex["steps"] == p.check_steps and not tab.errors
     saved = json.loads((tmp_path / "decode.json").read_text())
     assert len(saved["rows"]) == len(tab.rows)
+    gm = np.exp(np.mean(np.log([r["xla_over_decode"] for r in timed])))
+    key = f"geometric mean of XLA/decode over {len(timed)} rows"
+    assert tab.summary()[key] == pytest.approx(gm, abs=1e-3)
+    assert key in (tmp_path / "decode.md").read_text()
     with pytest.raises(SystemExit):
         entry.run(["decode", "--out", str(tmp_path)])     # the full preset: a GPU only
     # --batches / --check-steps: the rows of those batch sizes, the exactness run skipped
