@@ -10,7 +10,8 @@ of ``--repeats`` calls after warm-up):
 * ``witness``: operands + the witness scores and τ_w (``witness_threshold``);
 * ``screen``: the one-slot screen kernel from those τ_w (``screen_records``);
 * ``screened``: the screened step after τ_w (``screened_step``: the screen, the candidates
-  rescored by the canonical tile, their selection and the next witnesses);
+  rescored by the canonical tile, their selection and the next witnesses; the second round
+  when more candidates than the buffer holds);
 * ``scan``: the canonical scan kernel from those τ_w (``scan_records``, what a step that the
   screen cannot certify runs);
 * ``gather``: the splits' records of each sequence's real query slot into the selection

@@ -88,12 +88,15 @@ class DecodeState(NamedTuple):
 class DecodeStats(NamedTuple):
     """Per-query statistics of a decode step ([B] or [B, M] arrays, as the indices).
 
-    visible: keys the query sees (``lengths``). witnesses: distinct visible witness ids.
+    visible: keys the query sees (``lengths``). witnesses: distinct visible witness ids
+    (seeds in empty slots included: :func:`seeded_witnesses`).
     tau_witness: τ_w, the K-th largest witness score (−inf with fewer than K witnesses).
     candidates: keys with s ≥ τ_w (every visible key when τ_w = −inf; the Pallas scan counts
-    the keys it appended, fewer when a full record buffer raised its threshold mid-scan).
+    the keys it appended, fewer when a full record buffer raised its threshold mid-scan; the
+    Pallas screen's second round, the keys whose upper bound clears τ_w).
     overflow: 1 where the candidates exceeded a buffer (``Config.capacity``; on the Pallas
-    backend also a record buffer compacted mid-scan) and an exact fallback answered.
+    backend also a record buffer compacted mid-scan) and a fallback answered: the exact
+    selection, or on the Pallas screen its certified second round.
     """
 
     visible: Array

@@ -635,22 +635,95 @@ def exact_step(prep, theta, wk, wids, lengths, B: int, M: int, K: int, cap: int,
     return idx, sc, jnp.sum(app, axis=1), (over | merged).astype(jnp.int32), nxt
 
 
+def bound_threshold(rk, cnt, cap: int):
+    """θ₂ [B]: the least order key with at most ``cap`` of each row's recorded bounds (the
+    screen's records: order keys ``rk`` [B, S, C], ``cnt`` [B, S] per split) at or above it,
+    by bisection on the order keys (32 counting passes); and whether one exists (False only
+    when more than ``cap`` bounds share the largest order key, which nothing exceeds)."""
+    B, S, C = rk.shape
+    used = jnp.arange(C, dtype=jnp.int32)[None, None, :] < cnt[:, :, None]
+    keys = jnp.where(used, rk, INT32_MIN).reshape(B, S * C)
+    flip = jnp.uint32(0x80000000)        # order keys → unsigned, the same order
+    to_key = lambda u: lax.bitcast_convert_type(u ^ flip, jnp.int32)
+    at_least = lambda u: jnp.sum(keys >= to_key(u)[:, None], axis=1)
+
+    def halve(_, bounds):   # at_least(lo) > cap ≥ at_least(hi), or hi the largest key
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        fits = at_least(mid) <= cap
+        return jnp.where(fits, lo, mid), jnp.where(fits, mid, hi)
+
+    lo = jnp.zeros((B,), jnp.uint32)
+    hi = jnp.full((B,), 0xFFFFFFFF, jnp.uint32)
+    _, hi = lax.fori_loop(0, 32, halve, (lo, hi))
+    return to_key(hi), at_least(hi) <= cap
+
+
+def records_at_least(ri, rk, cnt, theta, cap: int):
+    """The recorded ids whose key is ≥ ``theta`` [B] (at most ``cap`` of them), laid end to
+    end in id order in ``cap`` slots: (ids [B, cap] (−1 pads), valid)."""
+    B, S, C = rk.shape
+    used = jnp.arange(C, dtype=jnp.int32)[None, None, :] < cnt[:, :, None]
+    keep = (used & (rk >= theta[:, None, None])).reshape(B, S * C)
+    end = jnp.cumsum(keep, axis=1, dtype=jnp.int32)
+    p = jnp.arange(cap, dtype=jnp.int32)
+    src = jax.vmap(lambda e: jnp.searchsorted(e, p + 1, side="left"))(end)
+    valid = p[None, :] < end[:, -1:]
+    ids = jnp.take_along_axis(ri.reshape(B, S * C), jnp.minimum(src, S * C - 1), axis=1)
+    return jnp.where(valid, ids, -1), valid
+
+
+def rescored_selection(prep, ids, valid, wk, wids, K: int, carry: int, interpret):
+    """Candidates ``ids`` [B, cap] rescored by the canonical tile (the seed kernel), then
+    :func:`dosa_jax.decode.select_and_witness`: (canonical keys, indices, Top-K keys, next
+    witnesses)."""
+    ck = witness_keys(prep.ops, prep.kp, prep.scale, key_rows(prep, ids), valid, 1, prep.tiles,
+                      interpret)[::SLOTS]
+    ids = pad_axis(ids, 1, ck.shape[1], -1)
+    return (ck,) + select_and_witness(ck, ids, wk[::SLOTS], wids[::SLOTS], K, carry)
+
+
 def screened_step(prep, q, w, theta, wk, wids, lengths, B: int, K: int, cap: int, carry: int,
                    splits, interpret):
     """The same by the screen (M = 1): keys whose upper bound clears τ_w, rescored by the
     canonical tile (the seed kernel), selected; and whether the step needs the exact scan
-    instead (no τ_w, an overflowing buffer, more candidates than ``cap``)."""
+    instead (no τ_w, an overflowing buffer, more candidates than ``cap`` that a second
+    round cannot certify).
+
+    **Second round** (a sequence with more candidates than ``cap``, none lost: no screen
+    buffer overflowed; ``lax.cond``, taken when any sequence has one): θ₂ is the least order
+    key with at most ``cap`` bounds at or above it (:func:`bound_threshold`); those keys are
+    rescored and selected. τ₂, the K-th of their canonical keys, is a lower bound on τ*
+    (K visible keys score ≥ τ₂); when τ₂ ≥ θ₂, every key left out has canonical score ≤ its
+    bound < θ₂ ≤ τ₂, so the Top-K lies among the rescored keys and ties at τ₂ are all
+    inside (id order breaks them): the answer is certified without the canonical scan.
+    Such a sequence reports its screen records as candidates and ``overflow`` 1."""
     theta1 = theta[::SLOTS]
-    _, ri, cnt, app = screen_records(prep, q, w, theta1, lengths, K, splits=splits,
-                                     interpret=interpret)
+    rk, ri, cnt, app = screen_records(prep, q, w, theta1, lengths, K, splits=splits,
+                                      interpret=interpret)
     ids, valid, total = gather_candidates(ri, cnt, cap)
-    need_exact = (theta1 == THETA_NONE) | jnp.any(app > ri.shape[2], axis=1) | (total > cap)
-    ck = witness_keys(prep.ops, prep.kp, prep.scale, key_rows(prep, ids), valid, 1, prep.tiles,
-                      interpret)[::SLOTS]
-    ids = pad_axis(ids, 1, ck.shape[1], -1)
-    idx, top_key, nxt = select_and_witness(ck, ids, wk[::SLOTS], wids[::SLOTS], K, carry)
+    lost = jnp.any(app > ri.shape[2], axis=1)          # a screen buffer overflowed
+    need_exact = (theta1 == THETA_NONE) | lost | (total > cap)
+    ck, idx, top_key, nxt = rescored_selection(prep, ids, valid, wk, wids, K, carry, interpret)
     cand = jnp.sum(ck >= theta1[:, None], axis=1, dtype=jnp.int32)   # canonical ≥ τ_w
-    return (idx, key_to_score(top_key), cand, jnp.zeros((B,), jnp.int32), nxt), need_exact
+    out = (idx, top_key, cand, jnp.zeros((B,), jnp.int32), nxt)
+    second = ~lost & (total > cap)
+
+    def second_round(carried):
+        o, need = carried
+        theta2, exists = bound_threshold(rk, cnt, cap)
+        ids2, valid2 = records_at_least(ri, rk, cnt, theta2, cap)
+        _, idx2, top2, nxt2 = rescored_selection(prep, ids2, valid2, wk, wids, K, carry,
+                                                 interpret)
+        tau2 = top2[:, K - 1]
+        use = second & exists & (tau2 != INT32_MIN) & (tau2 >= theta2)
+        o2 = (idx2, top2, total, jnp.ones((B,), jnp.int32), nxt2)
+        pick = lambda a, b: jnp.where(use.reshape(use.shape + (1,) * (a.ndim - 1)), a, b)
+        return jax.tree_util.tree_map(pick, o2, o), need & ~use
+
+    out, need_exact = lax.cond(jnp.any(second), second_round, lambda c: c, (out, need_exact))
+    idx, top_key, cand, over, nxt = out
+    return (idx, key_to_score(top_key), cand, over, nxt), need_exact
 
 
 def exact_rows(exact, need, lengths, tail, screened):
@@ -733,6 +806,7 @@ __all__ = ["KEY_TILE", "Prepared", "SLOTS", "decode_scan", "decode_topk", "decod
            "default_splits", "gather_candidates", "gather_records", "key_layout", "key_norm_upper",
            "key_rows", "max_screen_splits", "prepare", "record_witnesses", "scan_records",
            "scan_tile", "screen_layout",
-           "exact_rows", "exact_step", "screen_margin_coefficient", "screen_records", "screen_upper",
+           "bound_threshold", "exact_rows", "exact_step", "records_at_least",
+           "rescored_selection", "screen_margin_coefficient", "screen_records", "screen_upper",
            "screened_step", "screens",
            "direct_rows", "reads_rows_in_place", "witness_keys", "witness_threshold", "workspace_bytes"]

@@ -486,3 +486,72 @@ def test_a_stale_sequence_leaves_its_batch_mates_screened():
 def test_gpu_compiled_stale_sequence_leaves_its_batch_mates_screened():
     """The same with the compiled kernels at 32K keys, K = 512."""
     _stale_batch(32768, 512, False)
+
+
+def test_bound_threshold_and_records_at_least_against_numpy():
+    """θ₂ is the least order key with at most ``cap`` recorded keys at or above it (counts
+    per split honoured, slots past them ignored; more than ``cap`` tied at the largest order
+    key: no θ₂), and the records
+    at or above it come out in slot order (id order), padded with −1."""
+    rng = np.random.default_rng(3)
+    B, S, C, cap = 4, 5, 16, 12
+    rk = rng.integers(-40, 40, size=(B, S, C)).astype(np.int32)
+    rk[1] = np.iinfo(np.int32).max - rng.integers(0, 3, size=(S, C))   # near the top
+    rk[2, :, :] = 7                                                     # all tied
+    rk[3, 0, 0] = np.iinfo(np.int32).min + 1                           # the lowest keys
+    ri = np.arange(B * S * C, dtype=np.int32).reshape(B, S, C)
+    cnt = rng.integers(0, C + 1, size=(B, S)).astype(np.int32)
+    cnt[2] = C
+    theta, exists = (np.asarray(x) for x in kd.bound_threshold(jnp.asarray(rk),
+                                                                jnp.asarray(cnt), cap))
+    for b in range(B):
+        v = np.concatenate([rk[b, s, :cnt[b, s]] for s in range(S)]).astype(np.int64)
+        count = lambda t: int(np.sum(v >= t))
+        options = [t for t in np.unique(np.concatenate([v, v + 1]))
+                   if t <= np.iinfo(np.int32).max and count(t) <= cap]
+        if not options:       # more than cap keys tie at the largest order key
+            assert b == 1 and not exists[b]
+            continue
+        assert exists[b] and theta[b] == min(options)    # all tied at 7: θ₂ = 8, no record
+        ids, valid = (np.asarray(x) for x in kd.records_at_least(
+            jnp.asarray(ri), jnp.asarray(rk), jnp.asarray(cnt), jnp.asarray(theta), cap))
+        want = np.concatenate([ri[b, s, :cnt[b, s]][rk[b, s, :cnt[b, s]] >= theta[b]]
+                               for s in range(S)])
+        n = len(want)
+        assert n <= cap and valid[b].sum() == n
+        np.testing.assert_array_equal(ids[b, :n], want)
+        assert (ids[b, n:] == -1).all()
+
+
+def test_a_second_round_certifies_more_candidates_than_the_buffer_holds():
+    """Weak witnesses (random visible ids): several times ``capacity`` keys clear τ_w, every
+    screen buffer holds its split's keys (none lost). The second round — the ``capacity``
+    keys of largest bound, rescored — certifies every sequence without the canonical scan
+    (``need_exact`` False, ``overflow`` 1, candidates the screen's records), and the answers
+    equal the canonical step's and dense_topk's bitwise, the next witnesses the selection
+    first."""
+    rng = np.random.default_rng(5)
+    B, N, K = 2, 1024, 16
+    k, s = _keys(rng, B, N, jnp.float8_e4m3fn)
+    q = jnp.asarray(rng.normal(size=(B, 1, H, D)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(B, 1, H)), jnp.float32)
+    lengths = jnp.array([1024, 900], jnp.int32)
+    cfg = dosa_jax.Config(top_k=K, capacity=3 * K)
+    cap = kd.candidate_capacity(cfg)
+    ids = jnp.asarray(rng.integers(0, 900, size=(B, 4 * K)), jnp.int32)
+    prep = kd.prepare(q, w, k, s, None)
+    theta, _, wk, wids = kd.witness_threshold(prep, ids, lengths, 1, K, interpret=True)
+    out, need_exact = kd.screened_step(prep, q, w, theta, wk, wids, lengths, B, K, cap, 4 * K,
+                                       16, True)
+    assert not np.asarray(need_exact).any()
+    assert (np.asarray(out[2]) > 3 * cap).all() and (np.asarray(out[3]) == 1).all()
+    a = kd.decode_topk(q, k, w, ids, s, lengths, None, cfg, interpret=True, splits=16)
+    e = kd.decode_topk(q, k, w, ids, s, lengths, None, cfg, interpret=True, splits=2,
+                       screen=False)
+    di, ds = _dense_per_sequence(q, k, w, s, lengths, cfg.replace(backend="pallas"))
+    for x in (a[0], e[0]):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(di))
+    np.testing.assert_array_equal(_bits(a[1]), _bits(ds))
+    np.testing.assert_array_equal(_bits(e[1]), _bits(ds))
+    np.testing.assert_array_equal(np.asarray(a[0])[:, 0], np.asarray(out[0]))
+    np.testing.assert_array_equal(np.asarray(a[3])[:, 0, :K], np.asarray(a[0])[:, 0])
