@@ -10,8 +10,8 @@ of ``--repeats`` calls after warm-up):
 * ``witness``: operands + the witness scores and τ_w (``witness_threshold``);
 * ``screen``: the one-slot screen kernel from those τ_w (``screen_records``);
 * ``screened``: the screened step after τ_w (``screened_step``: the screen, the candidates
-  rescored by the canonical tile, their selection and the next witnesses; the second round
-  when more candidates than the buffer holds);
+  rescored by the canonical tile, their selection and the next witnesses; not the second
+  round, which only a step with more candidates than the buffer runs);
 * ``scan``: the canonical scan kernel from those τ_w (``scan_records``, what a step that the
   screen cannot certify runs);
 * ``gather``: the splits' records of each sequence's real query slot into the selection
@@ -173,7 +173,7 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
     f_screen = screen_variant()
     f_screened = jax.jit(lambda q, w, k, s, theta, wk, wids, n: kd.screened_step(
         prep(q, w, k, s), q, w, theta, wk, wids, n, B, K, cap, witness_budget(ids.shape[1], M),
-        None, None))
+        None, None)[:2])    # the first round: what a step the screen certifies runs
     need_exact = f_screened(q, w, k, s, theta, wk, wids, n)[1]
     real = jnp.arange(B) * kd.SLOTS      # the real query slot of each sequence (M = 1)
     f_gather = jax.jit(lambda rk, ri, cnt: kd.gather_records(rk[real], ri[real], cnt[real], K,

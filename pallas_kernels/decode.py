@@ -686,12 +686,15 @@ def rescored_selection(prep, ids, valid, wk, wids, K: int, carry: int, interpret
 def screened_step(prep, q, w, theta, wk, wids, lengths, B: int, K: int, cap: int, carry: int,
                    splits, interpret):
     """The same by the screen (M = 1): keys whose upper bound clears τ_w, rescored by the
-    canonical tile (the seed kernel), selected; and whether the step needs the exact scan
-    instead (no τ_w, an overflowing buffer, more candidates than ``cap`` that a second
-    round cannot certify).
+    canonical tile (the seed kernel), selected; whether the step cannot certify a sequence
+    this way (no τ_w, an overflowing buffer, more candidates than ``cap``); and ``retry``,
+    ``(outputs, need) -> (outputs, need)``: the second round for the sequences it can
+    answer (a ``lax.cond``, taken when any sequence has more candidates than ``cap`` and
+    none lost), the rest still needing the exact scan. :func:`decode_topk` calls ``retry``
+    only inside its fallback branch, so a certified step reads back one predicate.
 
     **Second round** (a sequence with more candidates than ``cap``, none lost: no screen
-    buffer overflowed; ``lax.cond``, taken when any sequence has one): θ₂ is the least order
+    buffer overflowed): θ₂ is the least order
     key with at most ``cap`` bounds at or above it (:func:`bound_threshold`); those keys are
     rescored and selected. τ₂, the K-th of their canonical keys, is a lower bound on τ*
     (K visible keys score ≥ τ₂); when τ₂ ≥ θ₂, every key left out has canonical score ≤ its
@@ -706,7 +709,7 @@ def screened_step(prep, q, w, theta, wk, wids, lengths, B: int, K: int, cap: int
     need_exact = (theta1 == THETA_NONE) | lost | (total > cap)
     ck, idx, top_key, nxt = rescored_selection(prep, ids, valid, wk, wids, K, carry, interpret)
     cand = jnp.sum(ck >= theta1[:, None], axis=1, dtype=jnp.int32)   # canonical ≥ τ_w
-    out = (idx, top_key, cand, jnp.zeros((B,), jnp.int32), nxt)
+    out = (idx, key_to_score(top_key), cand, jnp.zeros((B,), jnp.int32), nxt)
     second = ~lost & (total > cap)
 
     def second_round(carried):
@@ -717,13 +720,14 @@ def screened_step(prep, q, w, theta, wk, wids, lengths, B: int, K: int, cap: int
                                                  interpret)
         tau2 = top2[:, K - 1]
         use = second & exists & (tau2 != INT32_MIN) & (tau2 >= theta2)
-        o2 = (idx2, top2, total, jnp.ones((B,), jnp.int32), nxt2)
+        o2 = (idx2, key_to_score(top2), total, jnp.ones((B,), jnp.int32), nxt2)
         pick = lambda a, b: jnp.where(use.reshape(use.shape + (1,) * (a.ndim - 1)), a, b)
         return jax.tree_util.tree_map(pick, o2, o), need & ~use
 
-    out, need_exact = lax.cond(jnp.any(second), second_round, lambda c: c, (out, need_exact))
-    idx, top_key, cand, over, nxt = out
-    return (idx, key_to_score(top_key), cand, over, nxt), need_exact
+    def retry(o, need):
+        return lax.cond(jnp.any(second), second_round, lambda c: c, (o, need))
+
+    return out, need_exact, retry
 
 
 def exact_rows(exact, need, lengths, tail, screened):
@@ -767,11 +771,15 @@ def decode_topk(q, k, w, ids, k_scale, lengths, page_table, config, *, tiles: Ti
     if screen:
         if M != 1:
             raise ValueError(f"the decode screen takes one query per sequence, got M={M}")
-        out, need_exact = screened_step(prep, q, w, theta, wk, wids, lengths, B, K, cap, carry,
-                                         splits, interpret)
-        idx, sc, cand, over, nxt = lax.cond(
-            jnp.any(need_exact), lambda o: exact_rows(exact, need_exact, lengths, tail, o),
-            lambda o: o, out)
+        out, need_exact, retry = screened_step(prep, q, w, theta, wk, wids, lengths, B, K,
+                                                cap, carry, splits, interpret)
+
+        def fallback(o):     # the second round where it can answer, else the canonical scan
+            o, need = retry(o, need_exact)
+            return lax.cond(jnp.any(need), lambda o: exact_rows(exact, need, lengths, tail, o),
+                            lambda o: o, o)
+
+        idx, sc, cand, over, nxt = lax.cond(jnp.any(need_exact), fallback, lambda o: o, out)
     else:
         idx, sc, cand, over, nxt = exact(lengths, *tail)
     r = lambda x: x.reshape(B, SLOTS, *x.shape[1:])[:, :M]
