@@ -155,15 +155,15 @@ def test_tile_specs_parse_seeds_and_anchors():
 
 @pytest.mark.slow
 def test_witness_timing_rows_checked_against_dense(tmp_path):
-    """``benchmarks.witness_timing`` on tiny shapes: one row per (case, W, κ), each answer
-    bitwise the dense scan's, a larger κ never a smaller automatic budget, and both files
-    written."""
+    """``benchmarks.witness_timing`` on tiny shapes (the committed fixture's code3 rows, N =
+    4096): one row per (case, W, κ), each answer bitwise the dense scan's, a larger κ never a
+    smaller automatic budget, and both files written."""
     from benchmarks import witness_timing
-    rows = witness_timing.main(["--cases", "code2", "--widths", "128", "--survivor-costs", "1,8",
+    rows = witness_timing.main(["--cases", "code3", "--widths", "128", "--survivor-costs", "1,8",
                                 "--no-stages", "--length", "4096", "--queries", "4",
                                 "--repeats", "1", "--out", str(tmp_path)])
-    assert [(r["case"], r["W"], r["kappa"]) for r in rows] == [("code2", 128, 1.0),
-                                                               ("code2", 128, 8.0)]
+    assert [(r["case"], r["W"], r["kappa"]) for r in rows] == [("code3", 128, 1.0),
+                                                               ("code3", 128, 8.0)]
     assert all(r["eq"] for r in rows)
     assert rows[1]["budget_mean"] >= rows[0]["budget_mean"]
     assert all(len(r["terms"]) == 4 and 0 <= r["surv_all"] <= 1 for r in rows)
@@ -174,11 +174,11 @@ def test_witness_timing_rows_checked_against_dense(tmp_path):
         assert all(1 <= a <= 31 for a in shares) and sum(shares.values()) <= 1.001
     saved = json.loads((tmp_path / "witness_timing.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(rows))
-    assert "| code2 | 128 | 8.000 | 0 | True |" in (tmp_path / "witness_timing.md").read_text()
+    assert "| code3 | 128 | 8.000 | 0 | True |" in (tmp_path / "witness_timing.md").read_text()
     # two key splits: the kernels' pipeline called directly (interpreted here, while the
     # public rows above ran the CPU's reference backend), checked against the kernels' dense,
     # with each of its stages timed alone from the call's start
-    two = witness_timing.main(["--cases", "code2", "--widths", "0", "--survivor-costs", "8",
+    two = witness_timing.main(["--cases", "code3", "--widths", "0", "--survivor-costs", "8",
                                "--splits", "2", "--length", "4096",
                                "--queries", "4", "--repeats", "1", "--out", str(tmp_path)])
     assert [(r["splits"], r["eq"]) for r in two] == [(2, True)]
@@ -285,7 +285,7 @@ def test_block_witness_study_rows_and_survivor_cost(tmp_path):
     against the dense scan inside (it raises otherwise); perfect witnesses give τ = τ*; the
     block witnesses, extra to the seeds, close a share of the seeds' gap to τ* in [0, 1]."""
     from benchmarks import block_witnesses
-    block_witnesses.main(["--length", "16384", "--queries", "4", "--cases", "code:1",
+    block_witnesses.main(["--length", "8192", "--queries", "4", "--cases", "code:1",
                           "--widths", "256", "--survivor-cost", "3", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "block_witnesses.json").read_text())
     (row,) = saved["rows"]
@@ -297,7 +297,7 @@ def test_block_witness_study_rows_and_survivor_cost(tmp_path):
     assert seeds["tau_over_tau_star"] <= wit["tau_over_tau_star"] <= 1
     assert 0 <= wit["gap_closed"] <= 1 and 0 < perfect["survival"] <= 1
     md = (tmp_path / "block_witnesses.md").read_text()
-    assert "survivor cost κ: 3" in md and "| code1 (N=16384, T=4) |" in md
+    assert "survivor cost κ: 3" in md and "| code1 (N=8192, T=4) |" in md
 
 
 def test_slack_analysis_on_a_weights_file(tmp_path, tiny_weights, capsys):

@@ -119,10 +119,9 @@ def _child():
                           retained_heads=2, backend="reference")
     devs = jax.devices()
     q, k, ks, w, lo, hi = _data()
-    ref = jax.jit(lambda q, k, w, lo, hi: dosa_jax.topk(q, k, w, lo=lo, hi=hi, config=cfg))
-    want = ref(q, k, w, lo, hi)
-    want_dense = jax.jit(lambda q, k, w, lo, hi: dosa_jax.dense_topk(
-        q, k, w, lo=lo, hi=hi, config=cfg))(q, k, w, lo, hi)
+    want, want_dense = jax.jit(lambda q, k, w, lo, hi: (   # unsharded, one program
+        dosa_jax.topk(q, k, w, lo=lo, hi=hi, config=cfg),
+        dosa_jax.dense_topk(q, k, w, lo=lo, hi=hi, config=cfg)))(q, k, w, lo, hi)
     ok, why = _same(want, want_dense)
     assert ok, f"unsharded topk != dense_topk: {why}"
 
@@ -167,12 +166,11 @@ def _child():
             problems.append(f"P={n}: visible != unsharded visible")
     _report("shared_tau", not problems, problems)
 
-    # per device: survivors with the shared τ against the local seeds' τ alone
-    def device_stats(share):     # one program each (op by op, every op compiles alone)
-        return jax.jit(lambda q, k, w, lo, hi: cp.per_device_stats(
-            q, k, w, lo=lo, hi=hi, mesh=mesh(8), config=cfg, share_threshold=share))
-
-    per = {share: device_stats(share)(q, k[:1000], w, lo, hi) for share in (True, False)}
+    # per device: survivors with the shared τ against the local seeds' τ alone (both in one
+    # program: op by op, every op would compile alone)
+    per = jax.jit(lambda q, k, w, lo, hi: {share: cp.per_device_stats(
+        q, k, w, lo=lo, hi=hi, mesh=mesh(8), config=cfg, share_threshold=share)
+        for share in (True, False)})(q, k[:1000], w, lo, hi)
     sv = {share: np.asarray(st.survivors).sum(axis=1) for share, st in per.items()}
     _report("shared_tau_prunes_more", np.all(sv[True] <= sv[False]) and np.any(sv[True] < sv[False]),
             f"survivors per device shared {sv[True].tolist()} local {sv[False].tolist()}")
