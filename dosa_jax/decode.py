@@ -20,7 +20,7 @@ state, ids past a shorter sequence) takes one of the sequence's seeds instead
 (:func:`seeded_witnesses`: the prefill's seed layout — the most recent keys first, the
 sinks, strided keys): seeds are visible keys, so τ_w stays a lower bound, and a sequence
 with no witnesses starts from its seeds' threshold rather than from none (on the trained
-indexers the first step then keeps about 1–3·K candidates). Only with fewer than K
+code layer-2 indexer, K = 2048: about 3·K candidates at N = 128K, about 17·K at N = 1M). Only with fewer than K
 distinct visible keys among witnesses and seeds (a sequence shorter than K, a state
 narrower than K) is τ_w = −inf and every visible key a candidate. When more candidates than the buffer holds
 clear τ_w (a topic change makes the witnesses useless), the step falls back to exact
