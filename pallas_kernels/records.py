@@ -102,7 +102,9 @@ def append(key_ref, id_ref, base, count, theta_acc, key, ids, eligible, *, C: in
     n = jnp.sum(acc_i, axis=1)
 
     def write():
-        pos = count[:, None] + jnp.cumsum(acc_i, axis=1) - 1
+        # the prefix sum's 0/1 values made here, not ``acc_i``: the compiler then moves them to
+        # the scan's layout inside this branch (taken by few tiles), not on every tile
+        pos = count[:, None] + jnp.cumsum(jnp.where(acc, 1, 0), axis=1) - 1
         ok = acc & (pos < C)
         store_slots(key_ref, base, pos, key, ok, size)
         store_slots(id_ref, base, pos, ids, ok, size)
