@@ -524,32 +524,28 @@ def test_bound_threshold_and_records_at_least_against_numpy():
         assert (ids[b, n:] == -1).all()
 
 
-def test_a_second_round_certifies_more_candidates_than_the_buffer_holds():
-    """Weak witnesses (random visible ids): several times ``capacity`` keys clear τ_w, every
-    screen buffer holds its split's keys (none lost). The second round — the ``capacity``
-    keys of largest bound, rescored — certifies every sequence without the canonical scan
-    (``need_exact`` False, ``overflow`` 1, candidates the screen's records), and the answers
-    equal the canonical step's and dense_topk's bitwise, the next witnesses the selection
-    first."""
-    rng = np.random.default_rng(5)
-    B, N, K = 2, 1024, 16
+def _second_round(N, K, splits, interpret, seed=5):
+    """Weak witnesses (4·K random visible ids) at two sequences of about N keys: the second
+    round certifies both; checks against the canonical step and dense_topk bitwise."""
+    rng = np.random.default_rng(seed)
+    B = 2
     k, s = _keys(rng, B, N, jnp.float8_e4m3fn)
     q = jnp.asarray(rng.normal(size=(B, 1, H, D)), jnp.bfloat16)
     w = jnp.asarray(rng.normal(size=(B, 1, H)), jnp.float32)
-    lengths = jnp.array([1024, 900], jnp.int32)
+    lengths = jnp.array([N, N - N // 8], jnp.int32)
     cfg = dosa_jax.Config(top_k=K, capacity=3 * K)
     cap = kd.candidate_capacity(cfg)
-    ids = jnp.asarray(rng.integers(0, 900, size=(B, 4 * K)), jnp.int32)
+    ids = jnp.asarray(rng.integers(0, N - N // 8, size=(B, 4 * K)), jnp.int32)
     prep = kd.prepare(q, w, k, s, None)
-    theta, _, wk, wids = kd.witness_threshold(prep, ids, lengths, 1, K, interpret=True)
+    theta, _, wk, wids = kd.witness_threshold(prep, ids, lengths, 1, K, interpret=interpret)
     out, need_exact, retry = kd.screened_step(prep, q, w, theta, wk, wids, lengths, B, K, cap,
-                                              4 * K, 16, True)
+                                              4 * K, splits, interpret)
     assert np.asarray(need_exact).all()            # the first round cannot certify them
     out, need_exact = retry(out, need_exact)
     assert not np.asarray(need_exact).any()
     assert (np.asarray(out[2]) > 3 * cap).all() and (np.asarray(out[3]) == 1).all()
-    a = kd.decode_topk(q, k, w, ids, s, lengths, None, cfg, interpret=True, splits=16)
-    e = kd.decode_topk(q, k, w, ids, s, lengths, None, cfg, interpret=True, splits=2,
+    a = kd.decode_topk(q, k, w, ids, s, lengths, None, cfg, interpret=interpret, splits=splits)
+    e = kd.decode_topk(q, k, w, ids, s, lengths, None, cfg, interpret=interpret, splits=2,
                        screen=False)
     di, ds = _dense_per_sequence(q, k, w, s, lengths, cfg.replace(backend="pallas"))
     for x in (a[0], e[0]):
@@ -558,3 +554,20 @@ def test_a_second_round_certifies_more_candidates_than_the_buffer_holds():
     np.testing.assert_array_equal(_bits(e[1]), _bits(ds))
     np.testing.assert_array_equal(np.asarray(a[0])[:, 0], np.asarray(out[0]))
     np.testing.assert_array_equal(np.asarray(a[3])[:, 0, :K], np.asarray(a[0])[:, 0])
+
+
+def test_a_second_round_certifies_more_candidates_than_the_buffer_holds():
+    """Weak witnesses (random visible ids): several times ``capacity`` keys clear τ_w, every
+    screen buffer holds its split's keys (none lost). The second round — the ``capacity``
+    keys of largest bound, rescored — certifies every sequence without the canonical scan
+    (``need_exact`` False, ``overflow`` 1, candidates the screen's records), and the answers
+    equal the canonical step's and dense_topk's bitwise, the next witnesses the selection
+    first."""
+    _second_round(1024, 16, 16, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not dosa_jax.backend.on_gpu(), reason="needs a GPU")
+def test_gpu_compiled_second_round_certifies_more_candidates_than_the_buffer_holds():
+    """The same with the compiled kernels at 32K keys, K = 512, 16 key splits."""
+    _second_round(32768, 512, 16, False)
