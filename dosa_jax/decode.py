@@ -48,6 +48,7 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from dosa_jax.config import Config
@@ -155,11 +156,46 @@ def _check_int_array(name, x, shape):
     return jnp.asarray(x).astype(jnp.int32)
 
 
+def _known(x):
+    """``x`` as a numpy array when its values are known at the call (not traced), else None."""
+    return None if isinstance(x, jax.core.Tracer) else np.asarray(x)
+
+
+def check_known_ranges(lengths, page_table, capacity: int, pages: int, page: int):
+    """Where ``lengths`` [B] (and ``page_table`` [B, max_pages]) hold known values (an eager
+    call, not a traced one), a length outside ``[0, capacity]`` or a page id outside
+    ``[0, pages)`` that a visible key lives in raises ``ValueError`` naming the entry. Traced
+    values cannot be checked: the caller clips them (:func:`check_decode_inputs`)."""
+    n = _known(lengths)
+    if n is None:
+        return
+    bad = np.flatnonzero((n < 0) | (n > capacity))
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(f"lengths[{b}] = {int(n[b])} is outside [0, {capacity}] (the keys each "
+                         f"sequence can hold)")
+    table = None if page_table is None else _known(page_table)
+    if table is None:
+        return
+    used = np.arange(table.shape[1])[None, :] < -(-n // page)[:, None]
+    bad = np.argwhere(used & ((table < 0) | (table >= pages)))
+    if bad.size:
+        b, j = (int(x) for x in bad[0])
+        raise ValueError(f"page_table[{b}, {j}] = {int(table[b, j])} is not a page of k (0 .. "
+                         f"{pages - 1}) and holds visible keys of sequence {b} "
+                         f"(lengths[{b}] = {int(n[b])})")
+
+
 def check_decode_inputs(q, k, w, state, k_scale, lengths, page_table, *, devices: int = 1):
     """Validate and normalise the decode arguments, naming the argument at fault.
 
     ``devices``: the keys are this device's slice of a sequence sharded over that many devices
     (context parallel): ``lengths`` are global, up to ``devices`` times the local capacity.
+
+    Known (not traced) ``lengths`` outside ``[0, devices · capacity]`` and, on one device,
+    page ids outside ``[0, P)`` holding visible keys raise ``ValueError``
+    (:func:`check_known_ranges`); traced ones are clipped into those ranges (an out-of-range
+    page id never reads outside ``k``).
 
     Returns (q [B, M, H, D], k, w [B, M, H] float32, ids [B, W] int32, k_scale or None,
     lengths [B] int32 clipped to [0, devices · capacity], page_table [B, max_pages] int32 or
@@ -209,9 +245,13 @@ def check_decode_inputs(q, k, w, state, k_scale, lengths, page_table, *, devices
         page_table = _check_int_array("page_table", page_table, page_table.shape)
         if lengths is None:
             raise ValueError("lengths is required with page_table (keys per sequence)")
-        # an out-of-range page id would read another sequence's keys: clip, never read outside
-        page_table = jnp.clip(page_table, 0, k.shape[0] - 1)
         capacity = page_table.shape[1] * k.shape[1]
+        if devices == 1:
+            check_known_ranges(_check_int_array("lengths", lengths, (B,)), page_table,
+                               capacity, k.shape[0], k.shape[1])
+        # traced: an out-of-range page id would read another sequence's keys; clip, never
+        # read outside k
+        page_table = jnp.clip(page_table, 0, k.shape[0] - 1)
     if k_scale is None:
         if jnp.dtype(k.dtype) == FP8_DTYPE:
             raise ValueError("k_scale is required for float8_e4m3fn keys (k = k_scale[..., None] "
@@ -226,7 +266,9 @@ def check_decode_inputs(q, k, w, state, k_scale, lengths, page_table, *, devices
     capacity *= devices
     if lengths is None:
         lengths = jnp.full((B,), capacity, jnp.int32)
-    lengths = jnp.clip(_check_int_array("lengths", lengths, (B,)), 0, capacity)
+    lengths = _check_int_array("lengths", lengths, (B,))
+    check_known_ranges(lengths, None, capacity, 0, 1)
+    lengths = jnp.clip(lengths, 0, capacity)
     ids = state.ids
     if not hasattr(ids, "shape") or ids.ndim != 2 or ids.shape[0] != B:
         raise ValueError(f"state.ids must have shape [B, W] with B={B}, got "
