@@ -212,13 +212,13 @@ def decode_topk(q, k, w, state: "decode.DecodeState", *, k_scale=None, lengths=N
       w: [B, H] (or [B, M, H]) float32 head weights.
       state: :class:`~dosa_jax.decode.DecodeState` (``decode_init``, then each step's returned state).
       k_scale: [B, N] (or [P, page]) float32 per-key scales; required for FP8 keys.
-      lengths: [B] visible keys per sequence (default: all N; required when paged). Length 0
-        gives all pads. Known values (an eager call) outside [0, capacity] raise
-        ``ValueError``; traced ones (under ``jit``) are clipped into that range.
+      lengths: [B] visible keys per sequence (default: all N; required when paged);
+        clipped to [0, capacity]. Length 0 gives all pads.
       page_table: [B, max_pages] page ids of each sequence (paged keys). Entries past a
-        sequence's length are never read (any value, e.g. −1, pads them); a known id outside
-        [0, P) that holds visible keys raises ``ValueError``, a traced one is clipped into
-        [0, P) (no read outside k).
+        sequence's length are never read (any value, e.g. −1, pads them); an id outside
+        [0, P) that holds visible keys raises ``ValueError`` where its value is known (an
+        eager call) and is clipped into [0, P) where it is traced (under ``jit``: no read
+        outside k).
       config: :class:`Config` (static): ``top_k``, ``capacity`` (compaction buffer per query,
         default 4·K), ``key_block``, ``backend``; ``seed_strategy``, ``sink_size`` and
         ``local_fraction`` lay out the seeds that the state's empty witness slots take

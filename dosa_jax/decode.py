@@ -161,21 +161,14 @@ def _known(x):
     return None if isinstance(x, jax.core.Tracer) else np.asarray(x)
 
 
-def check_known_ranges(lengths, page_table, capacity: int, pages: int, page: int):
-    """Where ``lengths`` [B] (and ``page_table`` [B, max_pages]) hold known values (an eager
-    call, not a traced one), a length outside ``[0, capacity]`` or a page id outside
-    ``[0, pages)`` that a visible key lives in raises ``ValueError`` naming the entry. Traced
-    values cannot be checked: the caller clips them (:func:`check_decode_inputs`)."""
-    n = _known(lengths)
-    if n is None:
-        return
-    bad = np.flatnonzero((n < 0) | (n > capacity))
-    if bad.size:
-        b = int(bad[0])
-        raise ValueError(f"lengths[{b}] = {int(n[b])} is outside [0, {capacity}] (the keys each "
-                         f"sequence can hold)")
-    table = None if page_table is None else _known(page_table)
-    if table is None:
+def check_known_pages(lengths, page_table, pages: int, page: int):
+    """Where ``lengths`` [B] and ``page_table`` [B, max_pages] hold known values (an eager
+    call, not a traced one), a page id outside ``[0, pages)`` in an entry that holds visible
+    keys (the first ⌈lengths[b] / page⌉ of row b; later entries are never read) raises
+    ``ValueError`` naming the entry: read as it stands, it would take another page's keys.
+    Traced values cannot be checked; the caller clips them (:func:`check_decode_inputs`)."""
+    n, table = _known(lengths), _known(page_table)
+    if n is None or table is None:
         return
     used = np.arange(table.shape[1])[None, :] < -(-n // page)[:, None]
     bad = np.argwhere(used & ((table < 0) | (table >= pages)))
@@ -192,10 +185,9 @@ def check_decode_inputs(q, k, w, state, k_scale, lengths, page_table, *, devices
     ``devices``: the keys are this device's slice of a sequence sharded over that many devices
     (context parallel): ``lengths`` are global, up to ``devices`` times the local capacity.
 
-    Known (not traced) ``lengths`` outside ``[0, devices · capacity]`` and, on one device,
-    page ids outside ``[0, P)`` holding visible keys raise ``ValueError``
-    (:func:`check_known_ranges`); traced ones are clipped into those ranges (an out-of-range
-    page id never reads outside ``k``).
+    On one device, a known (not traced) page id outside ``[0, P)`` that holds visible keys
+    raises ``ValueError`` (:func:`check_known_pages`); traced ones are clipped into ``[0, P)``
+    (never a read outside ``k``).
 
     Returns (q [B, M, H, D], k, w [B, M, H] float32, ids [B, W] int32, k_scale or None,
     lengths [B] int32 clipped to [0, devices · capacity], page_table [B, max_pages] int32 or
@@ -247,8 +239,8 @@ def check_decode_inputs(q, k, w, state, k_scale, lengths, page_table, *, devices
             raise ValueError("lengths is required with page_table (keys per sequence)")
         capacity = page_table.shape[1] * k.shape[1]
         if devices == 1:
-            check_known_ranges(_check_int_array("lengths", lengths, (B,)), page_table,
-                               capacity, k.shape[0], k.shape[1])
+            check_known_pages(jnp.clip(_check_int_array("lengths", lengths, (B,)), 0, capacity),
+                              page_table, k.shape[0], k.shape[1])
         # traced: an out-of-range page id would read another sequence's keys; clip, never
         # read outside k
         page_table = jnp.clip(page_table, 0, k.shape[0] - 1)
@@ -266,9 +258,7 @@ def check_decode_inputs(q, k, w, state, k_scale, lengths, page_table, *, devices
     capacity *= devices
     if lengths is None:
         lengths = jnp.full((B,), capacity, jnp.int32)
-    lengths = _check_int_array("lengths", lengths, (B,))
-    check_known_ranges(lengths, None, capacity, 0, 1)
-    lengths = jnp.clip(lengths, 0, capacity)
+    lengths = jnp.clip(_check_int_array("lengths", lengths, (B,)), 0, capacity)
     ids = state.ids
     if not hasattr(ids, "shape") or ids.ndim != 2 or ids.shape[0] != B:
         raise ValueError(f"state.ids must have shape [B, W] with B={B}, got "

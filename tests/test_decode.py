@@ -412,11 +412,12 @@ def test_bad_arguments_name_the_argument():
             fn()
 
 
-def test_known_lengths_and_page_ids_out_of_range_raise_traced_ones_are_clipped():
-    """An eager call names a length outside [0, capacity] and a page id outside the pool
-    that holds visible keys (page ids past a sequence's length, −1 padding, are fine). Under
-    jit the same values are clipped: lengths to [0, capacity], the answer dense_topk's over
-    the clipped length."""
+def test_known_page_ids_out_of_range_raise_lengths_and_traced_ids_are_clipped():
+    """An eager call names a page id outside the pool that holds visible keys (page ids past
+    a sequence's length, −1 padding, are fine; so are ids beyond a length clipped to the
+    capacity). Lengths are clipped to [0, capacity], eager or traced: the answer is
+    dense_topk's over the clipped length; under jit a page id outside the pool is clipped
+    (the step reads no key outside k)."""
     rng = np.random.default_rng(12)
     B, N, K, page = 2, 128, 8, 32
     k, q, w = _problem(rng, B, N)
@@ -426,27 +427,29 @@ def test_known_lengths_and_page_ids_out_of_range_raise_traced_ones_are_clipped()
     kp, _, pt = _paged(k, None, page, rng)
     padded = pt.at[1, 2:].set(-1)                     # sequence 1: two pages in use
     cases = [
-        (lambda: call(q, k, w, st, lengths=jnp.array([N + 1, 3], jnp.int32)),
-         r"lengths\[0\] = 129 is outside \[0, 128\]"),
-        (lambda: call(q, k, w, st, lengths=jnp.array([3, -1], jnp.int32)),
-         r"lengths\[1\] = -1 is outside"),
         (lambda: call(q, kp, w, st, page_table=padded, lengths=jnp.array([N, 2 * page + 1])),
          r"page_table\[1, 2\] = -1 is not a page of k \(0 \.\. 10\)"),
         (lambda: call(q, kp, w, st, page_table=pt.at[0, 0].set(kp.shape[0]),
                       lengths=jnp.array([1, 0])), r"page_table\[0, 0\] = 11"),
-        (lambda: call(q, kp, w, st, page_table=padded, lengths=jnp.array([N + 1, 0])),
-         r"lengths\[0\] = 129"),
+        (lambda: call(q, kp, w, st, page_table=pt.at[0, 3].set(-2),
+                      lengths=jnp.array([N + 9, 0])), r"page_table\[0, 3\] = -2"),
     ]
     for fn, text in cases:
         with pytest.raises(ValueError, match=text):
             fn()
-    fine = call(q, kp, w, st, page_table=padded, lengths=jnp.array([N, 2 * page]))[0]
-    want = _dense_per_sequence(q[:, None], k, w[:, None], None, jnp.array([N, 2 * page]), cfg)
-    np.testing.assert_array_equal(np.asarray(fine.indices), np.asarray(want[0][:, 0]))
-    jitted = jax.jit(lambda n: call(q, k, w, st, lengths=n)[0])(jnp.array([N + 50, -7]))
-    want = _dense_per_sequence(q[:, None], k, w[:, None], None, jnp.array([N, 0]), cfg)
-    np.testing.assert_array_equal(np.asarray(jitted.indices), np.asarray(want[0][:, 0]))
-    np.testing.assert_array_equal(_bits(jitted.scores), _bits(want[1][:, 0]))
+    n = jnp.array([N, 2 * page])
+    want = _dense_per_sequence(q[:, None], k, w[:, None], None, n, cfg)
+    for got in (call(q, kp, w, st, page_table=padded, lengths=n)[0],
+                call(q, kp, w, st, page_table=padded, lengths=jnp.array([N + 50, 2 * page]))[0],
+                jax.jit(lambda t: call(q, kp, w, st, page_table=t, lengths=n)[0])(padded)):
+        np.testing.assert_array_equal(np.asarray(got.indices), np.asarray(want[0][:, 0]))
+        np.testing.assert_array_equal(_bits(got.scores), _bits(want[1][:, 0]))
+    clipped = jax.jit(lambda t: call(q, kp, w, st, page_table=t, lengths=n)[0])(
+        pt.at[0, 0].set(kp.shape[0] + 7))
+    want = _dense_per_sequence(q[:, None], jnp.stack([
+        jnp.concatenate([kp[-1], kp[pt[0, 1:]].reshape(-1, D)]), k[1]]), w[:, None], None, n,
+        cfg)
+    np.testing.assert_array_equal(np.asarray(clipped.indices), np.asarray(want[0][:, 0]))
 
 
 def test_select_compacted_overflow_rows_and_ties():
