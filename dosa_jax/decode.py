@@ -238,12 +238,6 @@ def check_decode_inputs(q, k, w, state, k_scale, lengths, page_table, *, devices
         if lengths is None:
             raise ValueError("lengths is required with page_table (keys per sequence)")
         capacity = page_table.shape[1] * k.shape[1]
-        if devices == 1:
-            check_known_pages(jnp.clip(_check_int_array("lengths", lengths, (B,)), 0, capacity),
-                              page_table, k.shape[0], k.shape[1])
-        # traced: an out-of-range page id would read another sequence's keys; clip, never
-        # read outside k
-        page_table = jnp.clip(page_table, 0, k.shape[0] - 1)
     if k_scale is None:
         if jnp.dtype(k.dtype) == FP8_DTYPE:
             raise ValueError("k_scale is required for float8_e4m3fn keys (k = k_scale[..., None] "
@@ -259,6 +253,12 @@ def check_decode_inputs(q, k, w, state, k_scale, lengths, page_table, *, devices
     if lengths is None:
         lengths = jnp.full((B,), capacity, jnp.int32)
     lengths = jnp.clip(_check_int_array("lengths", lengths, (B,)), 0, capacity)
+    if page_table is not None:
+        if devices == 1:
+            check_known_pages(lengths, page_table, k.shape[0], k.shape[1])
+        # traced: an out-of-range page id would read another sequence's keys; clip, never
+        # read outside k
+        page_table = jnp.clip(page_table, 0, k.shape[0] - 1)
     ids = state.ids
     if not hasattr(ids, "shape") or ids.ndim != 2 or ids.shape[0] != B:
         raise ValueError(f"state.ids must have shape [B, W] with B={B}, got "
