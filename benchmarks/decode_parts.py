@@ -133,8 +133,8 @@ def step_kernels(step, args, meta, out: str, title: str, tag: str, repeats: int)
 def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, out: str,
         capacity=None, studies=STUDIES, tag: str = "", only=(), kernels: bool = False):
     from dosa_jax import datasets
-    from dosa_jax.decode import (best_witnesses, distinct_pool, select_and_witness,
-                                 witness_budget)
+    from dosa_jax.decode import (best_witnesses, distinct_pool, seeded_witnesses,
+                                 select_and_witness, witness_budget)
     from pallas_kernels import decode as kd
     from pallas_kernels import records as rec
     from pallas_kernels.kth_largest import kth_largest
@@ -278,7 +278,30 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
         if not (bool(jnp.array_equal(bare[0], fresh[0]))
                 and bool(jnp.array_equal(bare[1], fresh[1]))):
             raise AssertionError("the unseeded step with a stale sequence answers differently")
+        # what the stale step's fallback does with sequence 0: the screen's records, whether
+        # the second round certifies it, else the canonical scan of its keys alone
+        seeded = seeded_witnesses(stale.ids, n, cfg)    # the ids decode_topk gives the kernels
+
+        def fallback_need(q, w, k, s, ids, n):
+            p = prep(q, w, k, s)
+            th, _, wk_, wids_ = kd.witness_threshold(p, ids, n, M, K)
+            out, need, retry = kd.screened_step(p, q, w, th, wk_, wids_, n, B, K, cap, carry,
+                                                None, None)
+            _, ri_, cnt_, _ = kd.screen_records(p, q, w, th[::kd.SLOTS], n, K)
+            return need, retry(out, need)[1], kd.gather_candidates(ri_, cnt_, cap)[2], th, wk_, \
+                wids_
+        need0, left0, total0, th0, wk0, wids0 = jax.jit(fallback_need)(q, w, k, s, seeded, n)
+        study_notes.append(
+            f"sequence 0 stale: {int(total0[0])} screen records (buffer {cap}); the screen "
+            f"certifies it: {'no' if bool(need0[0]) else 'yes'}; the second round certifies "
+            f"it: {'no' if bool(left0[0]) else 'yes' if bool(need0[0]) else '-'}; sequences "
+            f"left to the canonical scan: {int(jnp.sum(left0))} of {B}")
+        f_rows = jax.jit(lambda q, w, k, s, th, wk, wids, n, left: kd.exact_step(
+            prep(q, w, k, s), th, wk, wids, jnp.where(left, n, 0), B, M, K, cap, carry, None,
+            None))
         variants += [("step, sequence 0 stale", step, (qs[3], ws[3], ls[3], k, s, stale)),
+                     ("canonical scan of the sequences left (their keys only), with selection",
+                      f_rows, (q, w, k, s, th0, wk0, wids0, n, left0)),
                      ("step, sequence 0 stale, unseeded", f_kernels, (q, w, k, s, stale.ids, n)),
                      ("step, every sequence by the canonical scan", f_canon,
                       (q, w, k, s, ids, n))]

@@ -308,7 +308,10 @@ def test_decode_parts_benchmark_runs_on_cpu(tmp_path):
     assert "screen, scales a tile ahead, 4 stages (records bitwise the same)" in parts
     assert {"witness rows read in place", "witness rows from a gathered table"} <= set(parts)
     assert {"step, sequence 0 stale", "step, sequence 0 stale, unseeded",
-            "step, every sequence by the canonical scan"} <= set(parts)
+            "step, every sequence by the canonical scan",
+            "canonical scan of the sequences left (their keys only), with selection"} <= set(parts)
+    assert sum(n.startswith("sequence 0 stale: ") and "second round certifies it: " in n
+               for n in saved["notes"]) == 1
     assert any("sorted pool" in n and "bitwise" in n for n in saved["notes"])
     assert all(r["ms"] > 0 for r in saved["rows"])
     assert (tmp_path / "decode_parts_cpu.md").exists()
