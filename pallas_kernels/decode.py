@@ -85,6 +85,11 @@ PROGRAMS = 528
 #: screen 0.414 → 0.101 ms at B = 1, 0.688 → 0.637 ms at B = 8).
 SCREEN_PROGRAMS = 4096
 SCREEN_MAX_SPLITS = 512
+#: The second round's record slots per sequence, in multiples of the candidate capacity: the
+#: screen's records are first laid end to end in this many slots (its [S, C] buffers hold
+#: S·C slots, mostly empty: 16.8M at B = 8, N = 1M), so θ₂'s bisection reads few; a sequence
+#: with more records is left to the canonical scan.
+SECOND_ROUND_SLOTS = 8
 
 
 def _scan_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, BK: int, H: int, S: int, C: int, K: int,
@@ -659,6 +664,25 @@ def bound_threshold(rk, cnt, cap: int):
     return to_key(hi), at_least(hi) <= cap
 
 
+def compact_records(rk, ri, cnt, slots: int):
+    """Every split's records (order keys ``rk``, ids ``ri`` [B, S, C], ``cnt`` [B, S] per
+    split) laid end to end in ``slots`` slots per sequence, split by split: (keys [B, 1,
+    slots] (``INT32_MIN`` pads), ids [B, 1, slots] (−1 pads), count [B, 1] (at most
+    ``slots``), total records [B]) — the records layout of :func:`bound_threshold` and
+    :func:`records_at_least`, one split. A binary search over the splits' ends per slot."""
+    B, S, C = rk.shape
+    end = jnp.cumsum(cnt, axis=1, dtype=jnp.int32)
+    total = end[:, -1]
+    p = jnp.arange(slots, dtype=jnp.int32)
+    split = jnp.minimum(jax.vmap(lambda e: jnp.searchsorted(e, p, side="right"))(end), S - 1)
+    src = split * C + p[None, :] - jnp.take_along_axis(end - cnt, split, axis=1)
+    valid = p[None, :] < total[:, None]
+    src = jnp.where(valid, src, 0)
+    keys = jnp.where(valid, jnp.take_along_axis(rk.reshape(B, S * C), src, axis=1), INT32_MIN)
+    ids = jnp.where(valid, jnp.take_along_axis(ri.reshape(B, S * C), src, axis=1), -1)
+    return keys[:, None], ids[:, None], jnp.minimum(total, slots)[:, None], total
+
+
 def records_at_least(ri, rk, cnt, theta, cap: int):
     """The recorded ids whose key is ≥ ``theta`` [B] (at most ``cap`` of them), laid end to
     end in id order in ``cap`` slots: (ids [B, cap] (−1 pads), valid)."""
@@ -684,7 +708,7 @@ def rescored_selection(prep, ids, valid, wk, wids, K: int, carry: int, interpret
 
 
 def screened_step(prep, q, w, theta, wk, wids, lengths, B: int, K: int, cap: int, carry: int,
-                   splits, interpret):
+                   splits, interpret, second_slots=None):
     """The same by the screen (M = 1): keys whose upper bound clears τ_w, rescored by the
     canonical tile (the seed kernel), selected; whether the step cannot certify a sequence
     this way (no τ_w, an overflowing buffer, more candidates than ``cap``); and ``retry``,
@@ -694,7 +718,9 @@ def screened_step(prep, q, w, theta, wk, wids, lengths, B: int, K: int, cap: int
     only inside its fallback branch, so a certified step reads back one predicate.
 
     **Second round** (a sequence with more candidates than ``cap``, none lost: no screen
-    buffer overflowed): θ₂ is the least order
+    buffer overflowed, and at most ``second_slots`` of them, default
+    ``SECOND_ROUND_SLOTS · cap``): its records are laid end to end in ``second_slots`` slots
+    (:func:`compact_records`); θ₂ is the least order
     key with at most ``cap`` bounds at or above it (:func:`bound_threshold`); those keys are
     rescored and selected. τ₂, the K-th of their canonical keys, is a lower bound on τ*
     (K visible keys score ≥ τ₂); when τ₂ ≥ θ₂, every key left out has canonical score ≤ its
@@ -710,12 +736,14 @@ def screened_step(prep, q, w, theta, wk, wids, lengths, B: int, K: int, cap: int
     ck, idx, top_key, nxt = rescored_selection(prep, ids, valid, wk, wids, K, carry, interpret)
     cand = jnp.sum(ck >= theta1[:, None], axis=1, dtype=jnp.int32)   # canonical ≥ τ_w
     out = (idx, key_to_score(top_key), cand, jnp.zeros((B,), jnp.int32), nxt)
-    second = ~lost & (total > cap)
+    slots = min(ri.shape[1] * ri.shape[2], second_slots or SECOND_ROUND_SLOTS * cap)
+    second = ~lost & (total > cap) & (total <= slots)
 
     def second_round(carried):
         o, need = carried
-        theta2, exists = bound_threshold(rk, cnt, cap)
-        ids2, valid2 = records_at_least(ri, rk, cnt, theta2, cap)
+        rk2, ri2, cnt2, _ = compact_records(rk, ri, cnt, slots)
+        theta2, exists = bound_threshold(rk2, cnt2, cap)
+        ids2, valid2 = records_at_least(ri2, rk2, cnt2, theta2, cap)
         _, idx2, top2, nxt2 = rescored_selection(prep, ids2, valid2, wk, wids, K, carry,
                                                  interpret)
         tau2 = top2[:, K - 1]
@@ -814,7 +842,8 @@ __all__ = ["KEY_TILE", "Prepared", "SLOTS", "decode_scan", "decode_topk", "decod
            "default_splits", "gather_candidates", "gather_records", "key_layout", "key_norm_upper",
            "key_rows", "max_screen_splits", "prepare", "record_witnesses", "scan_records",
            "scan_tile", "screen_layout",
-           "bound_threshold", "exact_rows", "exact_step", "records_at_least",
+           "SECOND_ROUND_SLOTS", "bound_threshold", "compact_records", "exact_rows", "exact_step",
+           "records_at_least",
            "rescored_selection", "screen_margin_coefficient", "screen_records", "screen_upper",
            "screened_step", "screens",
            "direct_rows", "reads_rows_in_place", "witness_keys", "witness_threshold", "workspace_bytes"]

@@ -525,6 +525,33 @@ def test_bound_threshold_and_records_at_least_against_numpy():
         assert n <= cap and valid[b].sum() == n
         np.testing.assert_array_equal(ids[b, :n], want)
         assert (ids[b, n:] == -1).all()
+    # the records laid end to end first (the second round's layout): the same θ₂ and ids;
+    # with fewer slots than records, the first ones in split order
+    total = cnt.sum(axis=1)
+    for slots in (int(total.max()), int(total.max()) + 5, 7):
+        ck, ci, cc, tot = (np.asarray(x) for x in kd.compact_records(
+            jnp.asarray(rk), jnp.asarray(ri), jnp.asarray(cnt), slots))
+        assert ck.shape == ci.shape == (B, 1, slots) and cc.shape == (B, 1)
+        np.testing.assert_array_equal(tot, total)
+        for b in range(B):
+            v = np.concatenate([rk[b, s, :cnt[b, s]] for s in range(S)])[:slots]
+            i = np.concatenate([ri[b, s, :cnt[b, s]] for s in range(S)])[:slots]
+            n = len(v)
+            assert cc[b, 0] == n
+            np.testing.assert_array_equal(ck[b, 0, :n], v)
+            np.testing.assert_array_equal(ci[b, 0, :n], i)
+            assert (ck[b, 0, n:] == np.iinfo(np.int32).min).all() and (ci[b, 0, n:] == -1).all()
+        if slots >= total.max():
+            t2, e2 = (np.asarray(x) for x in kd.bound_threshold(jnp.asarray(ck),
+                                                                 jnp.asarray(cc), cap))
+            np.testing.assert_array_equal(e2, exists)
+            np.testing.assert_array_equal(t2[exists], theta[exists])
+            a = kd.records_at_least(jnp.asarray(ci), jnp.asarray(ck), jnp.asarray(cc),
+                                    jnp.asarray(theta), cap)
+            b_ = kd.records_at_least(jnp.asarray(ri), jnp.asarray(rk), jnp.asarray(cnt),
+                                     jnp.asarray(theta), cap)
+            for x, y in zip(a, b_):
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def _second_round(N, K, splits, interpret, seed=5):
@@ -544,6 +571,10 @@ def _second_round(N, K, splits, interpret, seed=5):
     out, need_exact, retry = kd.screened_step(prep, q, w, theta, wk, wids, lengths, B, K, cap,
                                               4 * K, splits, interpret)
     assert np.asarray(need_exact).all()            # the first round cannot certify them
+    # fewer second-round slots than records: the second round leaves both to the canonical scan
+    few = kd.screened_step(prep, q, w, theta, wk, wids, lengths, B, K, cap, 4 * K, splits,
+                           interpret, second_slots=cap + 1)
+    assert np.asarray(few[2](*few[:2])[1]).all()
     out, need_exact = retry(out, need_exact)
     assert not np.asarray(need_exact).any()
     assert (np.asarray(out[2]) > 3 * cap).all() and (np.asarray(out[3]) == 1).all()
