@@ -367,15 +367,21 @@ def witness_keys(ops, kp, scale, rows, first, M: int, tiles: Tiles, interpret: b
     return seed_scores(wops, entries[:, None, :], count, tiles=tiles, interpret=interpret)
 
 
-def record_slots(cnt, C: int, capacity: int):
+def record_slots(cnt, C: int, capacity: int, *, search: bool = False):
     """Where slot p of each query's ``capacity`` slots reads from its splits' records laid end
     to end (``cnt`` [T, S] records per split of C slots): (flat source [T, capacity], 0
-    beyond the records; valid; total records [T])."""
+    beyond the records; valid; total records [T]). A slot's split: the number of split ends
+    at or below it, counted over every split, or with ``search`` by a binary search (for
+    many slots)."""
     S = cnt.shape[1]
     end = jnp.cumsum(cnt, axis=1)
     total = end[:, -1]
     p = jnp.arange(capacity, dtype=jnp.int32)
-    split = jnp.minimum(jnp.sum(p[None, :, None] >= end[:, None, :], axis=2), S - 1)
+    if search:
+        split = jax.vmap(lambda e: jnp.searchsorted(e, p, side="right"))(end)
+    else:
+        split = jnp.sum(p[None, :, None] >= end[:, None, :], axis=2)
+    split = jnp.minimum(split, S - 1)
     src = split * C + p[None, :] - jnp.take_along_axis(end - cnt, split, axis=1)
     valid = p[None, :] < total[:, None]
     return jnp.where(valid, src, 0), valid, total
@@ -669,15 +675,9 @@ def compact_records(rk, ri, cnt, slots: int):
     split) laid end to end in ``slots`` slots per sequence, split by split: (keys [B, 1,
     slots] (``INT32_MIN`` pads), ids [B, 1, slots] (−1 pads), count [B, 1] (at most
     ``slots``), total records [B]) — the records layout of :func:`bound_threshold` and
-    :func:`records_at_least`, one split. A binary search over the splits' ends per slot."""
+    :func:`records_at_least`, one split (:func:`record_slots`, by binary search)."""
     B, S, C = rk.shape
-    end = jnp.cumsum(cnt, axis=1, dtype=jnp.int32)
-    total = end[:, -1]
-    p = jnp.arange(slots, dtype=jnp.int32)
-    split = jnp.minimum(jax.vmap(lambda e: jnp.searchsorted(e, p, side="right"))(end), S - 1)
-    src = split * C + p[None, :] - jnp.take_along_axis(end - cnt, split, axis=1)
-    valid = p[None, :] < total[:, None]
-    src = jnp.where(valid, src, 0)
+    src, valid, total = record_slots(cnt, C, slots, search=True)
     keys = jnp.where(valid, jnp.take_along_axis(rk.reshape(B, S * C), src, axis=1), INT32_MIN)
     ids = jnp.where(valid, jnp.take_along_axis(ri.reshape(B, S * C), src, axis=1), -1)
     return keys[:, None], ids[:, None], jnp.minimum(total, slots)[:, None], total

@@ -506,6 +506,7 @@ def test_bound_threshold_and_records_at_least_against_numpy():
     ri = np.arange(B * S * C, dtype=np.int32).reshape(B, S, C)
     cnt = rng.integers(0, C + 1, size=(B, S)).astype(np.int32)
     cnt[2] = C
+    cnt[3, 2] = 0                                                       # an empty split
     theta, exists = (np.asarray(x) for x in kd.bound_threshold(jnp.asarray(rk),
                                                                 jnp.asarray(cnt), cap))
     for b in range(B):
@@ -529,6 +530,10 @@ def test_bound_threshold_and_records_at_least_against_numpy():
     # with fewer slots than records, the first ones in split order
     total = cnt.sum(axis=1)
     for slots in (int(total.max()), int(total.max()) + 5, 7):
+        counted, searched = (kd.record_slots(jnp.asarray(cnt), C, slots, search=x)
+                             for x in (False, True))
+        for x, y in zip(counted, searched):    # the two ways of finding a slot's split agree
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
         ck, ci, cc, tot = (np.asarray(x) for x in kd.compact_records(
             jnp.asarray(rk), jnp.asarray(ri), jnp.asarray(cnt), slots))
         assert ck.shape == ci.shape == (B, 1, slots) and cc.shape == (B, 1)
