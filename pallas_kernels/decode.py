@@ -378,7 +378,8 @@ def record_slots(cnt, C: int, capacity: int, *, search: bool = False):
     total = end[:, -1]
     p = jnp.arange(capacity, dtype=jnp.int32)
     if search:
-        split = jax.vmap(lambda e: jnp.searchsorted(e, p, side="right"))(end)
+        split = jax.vmap(lambda e: jnp.searchsorted(e, p, side="right",
+                                                       method="scan_unrolled"))(end)
     else:
         split = jnp.sum(p[None, :, None] >= end[:, None, :], axis=2)
     split = jnp.minimum(split, S - 1)
@@ -691,7 +692,8 @@ def records_at_least(ri, rk, cnt, theta, cap: int):
     keep = (used & (rk >= theta[:, None, None])).reshape(B, S * C)
     end = jnp.cumsum(keep, axis=1, dtype=jnp.int32)
     p = jnp.arange(cap, dtype=jnp.int32)
-    src = jax.vmap(lambda e: jnp.searchsorted(e, p + 1, side="left"))(end)
+    src = jax.vmap(lambda e: jnp.searchsorted(e, p + 1, side="left",
+                                              method="scan_unrolled"))(end)
     valid = p[None, :] < end[:, -1:]
     ids = jnp.take_along_axis(ri.reshape(B, S * C), jnp.minimum(src, S * C - 1), axis=1)
     return jnp.where(valid, ids, -1), valid
