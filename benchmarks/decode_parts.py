@@ -52,7 +52,11 @@ of ``--repeats`` calls after warm-up):
   decode_topk``: no τ_w for sequence 0, so the canonical scan answers it, and only it:
   ``exact_rows``), checked equal too; ``step, every sequence by the canonical scan``: the
   step with the screen off (``decode_topk(screen=False)``), what such a step cost when one
-  stale sequence sent the whole batch to the canonical scan;
+  stale sequence sent the whole batch to the canonical scan; the stale step's fallback by
+  part: the screened step with its second round (no canonical scan), and each part of the
+  second round alone on that step's screen records (``compact_records``,
+  ``bound_threshold``, ``records_at_least``, ``rescored_selection``); with ``--kernels``
+  the stale step's kernels too;
 * with ``--kernels``: the whole step's kernels, each one's device time per step
   (:func:`benchmarks.devtime.device_breakdown`: the span, the busy time of the streams, the
   idle time between launches, and the costliest kernels with their XLA op), a second table;
@@ -299,7 +303,33 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
         f_rows = jax.jit(lambda q, w, k, s, th, wk, wids, n, left: kd.exact_step(
             prep(q, w, k, s), th, wk, wids, jnp.where(left, n, 0), B, M, K, cap, carry, None,
             None))
+        # the second round's parts, each alone on the stale step's screen records
+        f_recs = jax.jit(lambda q, w, k, s, th, n: kd.screen_records(
+            prep(q, w, k, s), q, w, th[::kd.SLOTS], n, K))
+        srk, sri, scnt, _ = f_recs(q, w, k, s, th0, n)
+        slots = min(sri.shape[1] * sri.shape[2], kd.SECOND_ROUND_SLOTS * cap)
+        f_compact = jax.jit(lambda rk, ri, cnt: kd.compact_records(rk, ri, cnt, slots))
+        rk2, ri2, cnt2, _ = f_compact(srk, sri, scnt)
+        f_theta2 = jax.jit(lambda rk, cnt: kd.bound_threshold(rk, cnt, cap))
+        theta2, _ = f_theta2(rk2, cnt2)
+        f_least = jax.jit(lambda ri, rk, cnt, t: kd.records_at_least(ri, rk, cnt, t, cap))
+        ids2, valid2 = f_least(ri2, rk2, cnt2, theta2)
+        f_resel = jax.jit(lambda q, w, k, s, ids, valid, wk, wids: kd.rescored_selection(
+            prep(q, w, k, s), ids, valid, wk, wids, K, carry, None))
+
+        def whole_second(q, w, k, s, th, wk, wids, n):
+            out, need, retry = kd.screened_step(prep(q, w, k, s), q, w, th, wk, wids, n, B, K,
+                                                cap, carry, None, None)
+            return retry(out, need)
         variants += [("step, sequence 0 stale", step, (qs[3], ws[3], ls[3], k, s, stale)),
+                     ("stale: screened step and second round, no canonical scan",
+                      jax.jit(whole_second), (q, w, k, s, th0, wk0, wids0, n)),
+                     (f"second round: records laid end to end ({slots} slots)", f_compact,
+                      (srk, sri, scnt)),
+                     ("second round: θ₂", f_theta2, (rk2, cnt2)),
+                     ("second round: ids at or above θ₂", f_least, (ri2, rk2, cnt2, theta2)),
+                     ("second round: rescoring and selection", f_resel,
+                      (q, w, k, s, ids2, valid2, wk0, wids0)),
                      ("canonical scan of the sequences left (their keys only), with selection",
                       f_rows, (q, w, k, s, th0, wk0, wids0, n, left0)),
                      ("step, sequence 0 stale, unseeded", f_kernels, (q, w, k, s, stale.ids, n)),
@@ -350,6 +380,10 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
     if kernels:
         step_kernels(step, (qs[3], ws[3], ls[3], k, s, st), meta, out, tab.title, tag,
                      repeats).write()
+        if "stale" in studies:
+            step_kernels(step, (qs[3], ws[3], ls[3], k, s, stale), meta, out,
+                         tab.title + ", sequence 0 stale", (tag + "_" if tag else "") + "stale",
+                         repeats).write()
     t_step = None
     for name, f, a in chosen(parts, only):
         t = timeit(f, *a, warmup=2, repeats=repeats)

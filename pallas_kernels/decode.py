@@ -90,6 +90,9 @@ SCREEN_MAX_SPLITS = 512
 #: S·C slots, mostly empty: 16.8M at B = 8, N = 1M), so θ₂'s bisection reads few; a sequence
 #: with more records is left to the canonical scan.
 SECOND_ROUND_SLOTS = 8
+#: Bits of θ₂ found per counting pass of :func:`bound_threshold` (32 / bits passes, each
+#: comparing every slot with 2^bits − 1 thresholds).
+THRESHOLD_DIGIT_BITS = 4
 
 
 def _scan_kernel(*refs, Pq: int, Pk: int, tiles: Tiles, BK: int, H: int, S: int, C: int, K: int,
@@ -649,26 +652,32 @@ def exact_step(prep, theta, wk, wids, lengths, B: int, M: int, K: int, cap: int,
 
 def bound_threshold(rk, cnt, cap: int):
     """θ₂ [B]: the least order key with at most ``cap`` of each row's recorded bounds (the
-    screen's records: order keys ``rk`` [B, S, C], ``cnt`` [B, S] per split) at or above it,
-    by bisection on the order keys (32 counting passes); and whether one exists (False only
-    when more than ``cap`` bounds share the largest order key, which nothing exceeds)."""
+    screen's records: order keys ``rk`` [B, S, C], ``cnt`` [B, S] per split) at or above it;
+    and whether one exists (False only when more than ``cap`` bounds share the largest order
+    key, which nothing exceeds).
+
+    θ₂ is one above v, the largest order key with more than ``cap`` slots at or above it (the
+    (cap + 1)-th largest slot, unused slots counting as ``INT32_MIN``), found digit by digit
+    from the top in the keys' unsigned order, :data:`THRESHOLD_DIGIT_BITS` bits a pass: each
+    pass counts the slots at or above the 2^bits − 1 prefixes that extend v's by one digit
+    and keeps the largest whose count exceeds ``cap`` (the counts fall as the digit grows)."""
     B, S, C = rk.shape
     used = jnp.arange(C, dtype=jnp.int32)[None, None, :] < cnt[:, :, None]
-    keys = jnp.where(used, rk, INT32_MIN).reshape(B, S * C)
-    flip = jnp.uint32(0x80000000)        # order keys → unsigned, the same order
-    to_key = lambda u: lax.bitcast_convert_type(u ^ flip, jnp.int32)
-    at_least = lambda u: jnp.sum(keys >= to_key(u)[:, None], axis=1)
-
-    def halve(_, bounds):   # at_least(lo) > cap ≥ at_least(hi), or hi the largest key
-        lo, hi = bounds
-        mid = lo + (hi - lo) // 2
-        fits = at_least(mid) <= cap
-        return jnp.where(fits, lo, mid), jnp.where(fits, mid, hi)
-
-    lo = jnp.zeros((B,), jnp.uint32)
-    hi = jnp.full((B,), 0xFFFFFFFF, jnp.uint32)
-    _, hi = lax.fori_loop(0, 32, halve, (lo, hi))
-    return to_key(hi), at_least(hi) <= cap
+    # unsigned order: the order keys with their top bit flipped, compared as uint32
+    keys = lax.bitcast_convert_type(jnp.where(used, rk, INT32_MIN).reshape(B, S * C),
+                                    jnp.uint32) ^ jnp.uint32(0x80000000)
+    if S * C <= cap:      # every order key has at most cap slots at or above it: θ₂ the least
+        return jnp.full((B,), INT32_MIN, jnp.int32), jnp.ones((B,), bool)
+    bits = THRESHOLD_DIGIT_BITS
+    digits = jnp.arange(1, 1 << bits, dtype=jnp.uint32)
+    v = jnp.zeros((B,), jnp.uint32)      # more than cap slots ≥ v (every slot ≥ 0)
+    for shift in range(32 - bits, -1, -bits):
+        t = v[:, None] | (digits[None, :] << shift)                          # [B, 2^bits − 1]
+        over = jnp.sum(keys[:, :, None] >= t[:, None, :], axis=1) > cap       # falls with t
+        v = v | (jnp.sum(over, axis=1, dtype=jnp.uint32) << shift)
+    top = v == jnp.uint32(0xFFFFFFFF)    # more than cap slots share the largest order key
+    theta = lax.bitcast_convert_type(jnp.where(top, v, v + 1) ^ jnp.uint32(0x80000000), jnp.int32)
+    return theta, ~top
 
 
 def compact_records(rk, ri, cnt, slots: int):

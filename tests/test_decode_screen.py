@@ -309,7 +309,13 @@ def test_decode_parts_benchmark_runs_on_cpu(tmp_path):
     assert {"witness rows read in place", "witness rows from a gathered table"} <= set(parts)
     assert {"step, sequence 0 stale", "step, sequence 0 stale, unseeded",
             "step, every sequence by the canonical scan",
-            "canonical scan of the sequences left (their keys only), with selection"} <= set(parts)
+            "canonical scan of the sequences left (their keys only), with selection",
+            "stale: screened step and second round, no canonical scan", "second round: θ₂",
+            "second round: ids at or above θ₂",
+            "second round: rescoring and selection"} <= set(parts)
+    assert sum(p.startswith("second round: records laid end to end (") for p in parts) == 1
+    stale_listed = json.loads((tmp_path / "decode_kernels_cpu_stale.json").read_text())
+    assert stale_listed["rows"] == []
     assert sum(n.startswith("sequence 0 stale: ") and "second round certifies it: " in n
                for n in saved["notes"]) == 1
     assert any("sorted pool" in n and "bitwise" in n for n in saved["notes"])
@@ -557,6 +563,40 @@ def test_bound_threshold_and_records_at_least_against_numpy():
                                      jnp.asarray(theta), cap)
             for x, y in zip(a, b_):
                 np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("bits", [1, 4, 8])
+def test_bound_threshold_digit_search_against_sorted_slots(bits, monkeypatch):
+    """θ₂ found a digit at a time (any digit width) is one above the (cap + 1)-th largest
+    slot (unused slots count as ``INT32_MIN``), keys over the whole int32 range, ties at the
+    cut and a split layout with no more slots than cap (θ₂ the least key)."""
+    monkeypatch.setattr(kd, "THRESHOLD_DIGIT_BITS", bits)
+    rng = np.random.default_rng(11 + bits)
+    info = np.iinfo(np.int32)
+    B, S, C = 6, 4, 32
+    rk = rng.integers(info.min, info.max, size=(B, S, C), endpoint=True).astype(np.int32)
+    rk[1] = rng.integers(-3, 3, size=(S, C))                     # many ties around zero
+    rk[2, :, :5] = info.min                                      # recorded keys at INT32_MIN
+    rk[3] = info.max                                             # every key the largest
+    cnt = rng.integers(0, C + 1, size=(B, S)).astype(np.int32)
+    cnt[3] = C
+    cnt[4] = 0                                                   # nothing recorded
+    for cap in (1, 7, 40, S * C - 1, S * C):
+        theta, exists = (np.asarray(x) for x in kd.bound_threshold(
+            jnp.asarray(rk), jnp.asarray(cnt), cap))
+        for b in range(B):
+            slots = np.full(S * C, info.min, np.int64)
+            v = np.concatenate([rk[b, s, :cnt[b, s]] for s in range(S)]).astype(np.int64)
+            slots[:len(v)] = v
+            if S * C <= cap:
+                assert exists[b] and theta[b] == info.min
+                continue
+            cut = np.sort(slots)[::-1][cap]                      # the (cap + 1)-th largest
+            if cut == info.max:
+                assert not exists[b] and theta[b] == info.max, (b, cap)
+            else:
+                assert exists[b] and theta[b] == cut + 1, (b, cap)
+                assert np.sum(slots >= theta[b]) <= cap < np.sum(slots >= cut)
 
 
 def _second_round(N, K, splits, interpret, seed=5):
