@@ -60,6 +60,11 @@ of ``--repeats`` calls after warm-up):
 * with ``--kernels``: the whole step's kernels, each one's device time per step
   (:func:`benchmarks.devtime.device_breakdown`: the span, the busy time of the streams, the
   idle time between launches, and the costliest kernels with their XLA op), a second table;
+* ``loop`` (a second table, ``decode_loop_<tag>``): the step inside a ``lax.scan`` of 16
+  consecutive steps, as a generation loop runs it, at XLA's default compile, without
+  conditionals in command buffers and without command buffers, beside the certified path
+  alone (the step without its ``lax.cond``, the fallback left out: what the step's one
+  conditional costs a loop), each with its trace's busy and idle time per step;
 * ``top_k rows``: ``lax.top_k`` of the witness order keys over all 4 slots per sequence and
   over the M real ones (what the padded slots cost); ``kth_largest rows all slots``: the same
   K-th value by ``pallas_kernels.kth_largest``, as the step takes τ_w (checked bitwise equal).
@@ -96,7 +101,16 @@ class Shape(NamedTuple):
 
 
 #: The screen variants timed beside the default (``--studies``).
-STUDIES = ("mma", "ahead", "tiles", "warps", "splits", "fp8", "rows", "stale")
+STUDIES = ("mma", "ahead", "tiles", "warps", "splits", "fp8", "rows", "stale", "loop")
+#: Consecutive steps of the ``loop`` study's ``lax.scan``.
+LOOP_STEPS = 16
+#: The ``loop`` study's compiles of the same loop: XLA's command buffers (CUDA graphs) as
+#: XLA sets them, without conditionals (each ``lax.cond`` a host round trip between graphs),
+#: and none (every kernel launched by the host).
+LOOP_COMPILES = (("default compile", None),
+                 ("no conditionals in command buffers",
+                  {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"}),
+                 ("no command buffers", {"xla_gpu_enable_command_buffer": ""}))
 
 
 #: The parts timed in every run (``--parts`` picks among them; the studies follow them).
@@ -134,6 +148,79 @@ def step_kernels(step, args, meta, out: str, title: str, tag: str, repeats: int)
     return tab
 
 
+def loop_study(inp, k, s, st, cfg, B: int, out: str, meta, title: str, tag: str,
+               repeats: int) -> Table:
+    """``decode_topk`` inside a ``lax.scan`` of :data:`LOOP_STEPS` consecutive steps (what a
+    generation loop runs), at each of :data:`LOOP_COMPILES`, beside the certified path alone:
+    the same step without its ``lax.cond`` (witnesses, screen, rescoring, selection — the
+    answer only where no sequence needs the fallback, checked on these steps). Each loop
+    timed twice, alternating; per step: ms, and from a device trace span, busy, idle
+    (span − busy: the host's share) and launches."""
+    from dosa_jax.decode import fit_witnesses, seeded_witnesses, witness_budget
+    from pallas_kernels import decode as kd
+    K, cap = cfg.top_k, kd.candidate_capacity(cfg)
+    tab = Table("decode_loop" + (f"_{tag}" if tag else ""),
+                f"{LOOP_STEPS} steps in one lax.scan: {title}",
+                [("variant", "variant"), ("ms", "ms/step"), ("ms_again", "ms/step (again)"),
+                 ("span", "trace: span ms/step"), ("busy", "busy"), ("idle", "idle"),
+                 ("launches", "launches/step")], out, meta,
+                notes=[f"median of {max(5, repeats // 4)} loops after 2 warm-up, device clock, "
+                       "each loop timed twice (the variants alternating); trace: 3 loops"])
+    qs, ws, ls = batch_streams(inp, B, LOOP_STEPS - 1, offset=3)   # the steps after ``st``
+
+    kernels = cfg.replace(backend="pallas")     # auto's choice on a GPU; CPU: interpreted
+
+    def full(state, q, w, n, k, s):
+        res, state = dosa_jax.decode_topk(q, k, w, state, k_scale=s, lengths=n, config=kernels)
+        return state, (res.indices, res.scores, jnp.zeros((), jnp.int32))
+
+    def certified(state, q, w, n, k, s):   # the screened step's own answer, no fallback
+        q1, w1 = q[:, None], w[:, None]
+        p = kd.prepare(q1, w1, k, s, None)
+        theta, _, wk, wids = kd.witness_threshold(p, seeded_witnesses(state.ids, n, cfg), n, 1, K)
+        out_, need, _ = kd.screened_step(p, q1, w1, theta, wk, wids, n, B, K, cap,
+                                         witness_budget(state.ids.shape[1], 1), None, None)
+        nxt = dosa_jax.DecodeState(fit_witnesses(out_[4][0], state.ids.shape[1]))
+        return nxt, (out_[0], out_[1], jnp.sum(need, dtype=jnp.int32))
+
+    def loop(step, options=None):
+        f = lambda qs, ws, ls, st, k, s: lax.scan(lambda c, x: step(c, *x, k, s), st,
+                                                  (qs, ws, ls))   # the caches: arguments
+        return jax.jit(f, compiler_options=options) if options else jax.jit(f)
+
+    on_gpu = dosa_jax.backend.on_gpu()
+    variants = [(f"decode_topk, {name}", loop(full, o)) for name, o in LOOP_COMPILES
+                if on_gpu or o is None]
+    variants.append(("the certified path alone: no lax.cond (not exact where a sequence "
+                     "needs the fallback)", loop(certified)))
+    args = (qs, ws, ls, st, k, s)
+    want = variants[0][1](*args)[1]
+    for name, f in variants[1:]:
+        got = f(*args)[1]
+        same = bool(jnp.array_equal(got[0], want[0])) and bool(jnp.array_equal(
+            lax.bitcast_convert_type(got[1], jnp.int32), lax.bitcast_convert_type(want[1], jnp.int32)))
+        needed = int(jnp.sum(got[2]))
+        tab.notes.append(f"{name}: answers {'bitwise the same' if same else 'DIFFER'}"
+                         + (f"; sequence-steps needing the fallback: {needed}"
+                            if f is variants[-1][1] else ""))
+        if not same and not needed:
+            raise AssertionError(f"the loop '{name}' answers differently")
+    rows = {name: dict(variant=name) for name, _ in variants}
+    for key in ("ms", "ms_again"):
+        for name, f in variants:
+            rows[name][key] = timeit(f, *args, warmup=2, repeats=max(5, repeats // 4)).seconds \
+                * 1e3 / LOOP_STEPS
+            log(f"[decode_parts] loop, {name}: {rows[name][key]:.3f} ms/step")
+    for name, f in variants:
+        b = device_breakdown(f, *args, warmup=1, iters=3, top=1)
+        if b is not None:
+            rows[name].update(span=b["span_ms"] / LOOP_STEPS, busy=b["busy_ms"] / LOOP_STEPS,
+                              idle=b["idle_ms"] / LOOP_STEPS,
+                              launches=b["launches"] / LOOP_STEPS)
+        tab.add(rows[name])
+    return tab
+
+
 def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, out: str,
         capacity=None, studies=STUDIES, tag: str = "", only=(), kernels: bool = False):
     from dosa_jax import datasets
@@ -146,7 +233,8 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
     from dosa_jax.selection import INT32_MIN
     from pallas_kernels.common import interpret_default, pad_axis
 
-    inp = datasets.trained(domain, layer, length=N, num_queries=8 * B + 4, heads=H)
+    inp = datasets.trained(domain, layer, length=N, heads=H,
+                           num_queries=8 * B + 4 + (LOOP_STEPS if "loop" in studies else 0))
     qs, ws, ls = batch_streams(inp, B, 3)
     k, s, _ = caches(inp, B, False)
     cfg = dosa_jax.Config(top_k=K, backend="auto", capacity=capacity)
@@ -384,6 +472,8 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
             step_kernels(step, (qs[3], ws[3], ls[3], k, s, stale), meta, out,
                          tab.title + ", sequence 0 stale", (tag + "_" if tag else "") + "stale",
                          repeats).write()
+    if "loop" in studies and not only:
+        loop_study(inp, k, s, st, cfg, B, out, meta, tab.title, tag, repeats).write()
     t_step = None
     for name, f, a in chosen(parts, only):
         t = timeit(f, *a, warmup=2, repeats=repeats)

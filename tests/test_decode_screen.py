@@ -316,6 +316,13 @@ def test_decode_parts_benchmark_runs_on_cpu(tmp_path):
     assert sum(p.startswith("second round: records laid end to end (") for p in parts) == 1
     stale_listed = json.loads((tmp_path / "decode_kernels_cpu_stale.json").read_text())
     assert stale_listed["rows"] == []
+    loops = json.loads((tmp_path / "decode_loop_cpu.json").read_text())
+    assert [r["variant"] for r in loops["rows"]] == [
+        "decode_topk, default compile", "the certified path alone: no lax.cond (not exact "
+        "where a sequence needs the fallback)"]
+    assert all(r["ms"] > 0 and r["ms_again"] > 0 for r in loops["rows"])
+    assert any("bitwise the same; sequence-steps needing the fallback: " in n
+               for n in loops["notes"])
     assert sum(n.startswith("sequence 0 stale: ") and "second round certifies it: " in n
                for n in saved["notes"]) == 1
     assert any("sorted pool" in n and "bitwise" in n for n in saved["notes"])
