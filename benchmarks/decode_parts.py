@@ -61,7 +61,7 @@ of ``--repeats`` calls after warm-up):
   (:func:`benchmarks.devtime.device_breakdown`: the span, the busy time of the streams, the
   idle time between launches, and the costliest kernels with their XLA op), a second table;
 * ``loop`` (a second table, ``decode_loop_<tag>``): the step inside a ``lax.scan`` of 16
-  consecutive steps, as a generation loop runs it, at XLA's default compile, without
+  (``--loop-steps``) consecutive steps, as a generation loop runs it, at XLA's default compile, without
   conditionals in command buffers and without command buffers, beside the certified path
   alone (the step without its ``lax.cond``, the fallback left out: what the step's one
   conditional costs a loop), each with its trace's busy and idle time per step;
@@ -102,7 +102,7 @@ class Shape(NamedTuple):
 
 #: The screen variants timed beside the default (``--studies``).
 STUDIES = ("mma", "ahead", "tiles", "warps", "splits", "fp8", "rows", "stale", "loop")
-#: Consecutive steps of the ``loop`` study's ``lax.scan``.
+#: Consecutive steps of the ``loop`` study's ``lax.scan`` (``--loop-steps``).
 LOOP_STEPS = 16
 #: The ``loop`` study's compiles of the same loop: XLA's command buffers (CUDA graphs) as
 #: XLA sets them, without conditionals (each ``lax.cond`` a host round trip between graphs),
@@ -149,8 +149,8 @@ def step_kernels(step, args, meta, out: str, title: str, tag: str, repeats: int)
 
 
 def loop_study(inp, k, s, st, cfg, B: int, out: str, meta, title: str, tag: str,
-               repeats: int) -> Table:
-    """``decode_topk`` inside a ``lax.scan`` of :data:`LOOP_STEPS` consecutive steps (what a
+               repeats: int, steps: int = LOOP_STEPS) -> Table:
+    """``decode_topk`` inside a ``lax.scan`` of ``steps`` consecutive steps (what a
     generation loop runs), at each of :data:`LOOP_COMPILES`, beside the certified path alone:
     the same step without its ``lax.cond`` (witnesses, screen, rescoring, selection — the
     answer only where no sequence needs the fallback, checked on these steps). Each loop
@@ -159,14 +159,15 @@ def loop_study(inp, k, s, st, cfg, B: int, out: str, meta, title: str, tag: str,
     from dosa_jax.decode import fit_witnesses, seeded_witnesses, witness_budget
     from pallas_kernels import decode as kd
     K, cap = cfg.top_k, kd.candidate_capacity(cfg)
+    loops, warm = max(1, repeats // 4), 2 if repeats >= 4 else 1    # 5 and 2 at the default
     tab = Table("decode_loop" + (f"_{tag}" if tag else ""),
-                f"{LOOP_STEPS} steps in one lax.scan: {title}",
+                f"{steps} steps in one lax.scan: {title}",
                 [("variant", "variant"), ("ms", "ms/step"), ("ms_again", "ms/step (again)"),
                  ("span", "trace: span ms/step"), ("busy", "busy"), ("idle", "idle"),
                  ("launches", "launches/step")], out, meta,
-                notes=[f"median of {max(5, repeats // 4)} loops after 2 warm-up, device clock, "
+                notes=[f"median of {loops} loops after {warm} warm-up, device clock, "
                        "each loop timed twice (the variants alternating); trace: 3 loops"])
-    qs, ws, ls = batch_streams(inp, B, LOOP_STEPS - 1, offset=3)   # the steps after ``st``
+    qs, ws, ls = batch_streams(inp, B, steps - 1, offset=3)   # the steps after ``st``
 
     kernels = cfg.replace(backend="pallas")     # auto's choice on a GPU; CPU: interpreted
 
@@ -208,21 +209,21 @@ def loop_study(inp, k, s, st, cfg, B: int, out: str, meta, title: str, tag: str,
     rows = {name: dict(variant=name) for name, _ in variants}
     for key in ("ms", "ms_again"):
         for name, f in variants:
-            rows[name][key] = timeit(f, *args, warmup=2, repeats=max(5, repeats // 4)).seconds \
-                * 1e3 / LOOP_STEPS
+            rows[name][key] = timeit(f, *args, warmup=warm, repeats=loops).seconds \
+                * 1e3 / steps
             log(f"[decode_parts] loop, {name}: {rows[name][key]:.3f} ms/step")
     for name, f in variants:
         b = device_breakdown(f, *args, warmup=1, iters=3, top=1)
         if b is not None:
-            rows[name].update(span=b["span_ms"] / LOOP_STEPS, busy=b["busy_ms"] / LOOP_STEPS,
-                              idle=b["idle_ms"] / LOOP_STEPS,
-                              launches=b["launches"] / LOOP_STEPS)
+            rows[name].update(span=b["span_ms"] / steps, busy=b["busy_ms"] / steps,
+                              idle=b["idle_ms"] / steps, launches=b["launches"] / steps)
         tab.add(rows[name])
     return tab
 
 
 def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, out: str,
-        capacity=None, studies=STUDIES, tag: str = "", only=(), kernels: bool = False):
+        capacity=None, studies=STUDIES, tag: str = "", only=(), kernels: bool = False,
+        loop_steps: int = LOOP_STEPS):
     from dosa_jax import datasets
     from dosa_jax.decode import (best_witnesses, distinct_pool, seeded_witnesses,
                                  select_and_witness, witness_budget)
@@ -234,7 +235,7 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
     from pallas_kernels.common import interpret_default, pad_axis
 
     inp = datasets.trained(domain, layer, length=N, heads=H,
-                           num_queries=8 * B + 4 + (LOOP_STEPS if "loop" in studies else 0))
+                           num_queries=8 * B + 4 + (loop_steps if "loop" in studies else 0))
     qs, ws, ls = batch_streams(inp, B, 3)
     k, s, _ = caches(inp, B, False)
     cfg = dosa_jax.Config(top_k=K, backend="auto", capacity=capacity)
@@ -473,7 +474,8 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
                          tab.title + ", sequence 0 stale", (tag + "_" if tag else "") + "stale",
                          repeats).write()
     if "loop" in studies and not only:
-        loop_study(inp, k, s, st, cfg, B, out, meta, tab.title, tag, repeats).write()
+        loop_study(inp, k, s, st, cfg, B, out, meta, tab.title, tag, repeats,
+                   loop_steps).write()
     t_step = None
     for name, f, a in chosen(parts, only):
         t = timeit(f, *a, warmup=2, repeats=repeats)
@@ -504,8 +506,12 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", action="store_true",
                     help="also list the whole step's kernels by device time (a second table, "
                          "decode_kernels_<tag>)")
+    ap.add_argument("--loop-steps", type=int, default=LOOP_STEPS,
+                    help="consecutive steps of the loop study's lax.scan")
     ap.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
     a = ap.parse_args(argv)
+    if a.loop_steps < 1:
+        ap.error(f"--loop-steps: a count >= 1, got {a.loop_steps}")
     studies = tuple(x for x in a.studies.split(",") if x)
     unknown = sorted(set(studies) - set(STUDIES))
     if unknown:
@@ -516,7 +522,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         ap.error(f"--parts: {e}")
     tab = run(a.domain, a.layer, a.heads, a.N, a.B, a.K, a.repeats, a.out, a.capacity,
-              studies, a.tag, only, a.kernels)
+              studies, a.tag, only, a.kernels, a.loop_steps)
     tab.write()
     print(tab.markdown())
     return 0

@@ -292,8 +292,11 @@ def test_decode_parts_benchmark_runs_on_cpu(tmp_path):
     from benchmarks import decode_parts
     with pytest.raises(SystemExit):
         decode_parts.main(["--studies", "mma,nope", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        decode_parts.main(["--loop-steps", "0", "--out", str(tmp_path)])
     assert decode_parts.main(["--N", "2048", "--B", "2", "--K", "32", "--repeats", "1",
-                              "--tag", "cpu", "--kernels", "--out", str(tmp_path)]) == 0
+                              "--loop-steps", "3", "--tag", "cpu", "--kernels",
+                              "--out", str(tmp_path)]) == 0
     saved = json.loads((tmp_path / "decode_parts_cpu.json").read_text())
     listed = json.loads((tmp_path / "decode_kernels_cpu.json").read_text())
     assert listed["rows"] == [] and any("no GPU activity" in n for n in listed["notes"])
@@ -321,6 +324,7 @@ def test_decode_parts_benchmark_runs_on_cpu(tmp_path):
         "decode_topk, default compile", "the certified path alone: no lax.cond (not exact "
         "where a sequence needs the fallback)"]
     assert all(r["ms"] > 0 and r["ms_again"] > 0 for r in loops["rows"])
+    assert (tmp_path / "decode_loop_cpu.md").read_text().startswith("# 3 steps in one lax.scan")
     assert any("bitwise the same; sequence-steps needing the fallback: " in n
                for n in loops["notes"])
     assert sum(n.startswith("sequence 0 stale: ") and "second round certifies it: " in n
