@@ -86,7 +86,7 @@ from jax import lax
 
 import dosa_jax
 from benchmarks.decode import batch_streams, caches
-from benchmarks.devtime import breakdown_rows, device_breakdown, timeit
+from benchmarks.devtime import breakdown_rows, command_buffer_report, device_breakdown, timeit
 from benchmarks.report import Table, log, run_meta
 
 
@@ -155,7 +155,9 @@ def loop_study(inp, k, s, st, cfg, B: int, out: str, meta, title: str, tag: str,
     the same step without its ``lax.cond`` (witnesses, screen, rescoring, selection — the
     answer only where no sequence needs the fallback, checked on these steps). Each loop
     timed twice, alternating; per step: ms, and from a device trace span, busy, idle
-    (span − busy: the host's share) and launches."""
+    (span − busy: the host's share) and launches; and for each compile, where XLA put the
+    loop's conditionals and while loops relative to its command buffers
+    (:func:`benchmarks.devtime.command_buffer_report`)."""
     from dosa_jax.decode import fit_witnesses, seeded_witnesses, witness_budget
     from pallas_kernels import decode as kd
     K, cap = cfg.top_k, kd.candidate_capacity(cfg)
@@ -195,6 +197,13 @@ def loop_study(inp, k, s, st, cfg, B: int, out: str, meta, title: str, tag: str,
     variants.append(("the certified path alone: no lax.cond (not exact where a sequence "
                      "needs the fallback)", loop(certified)))
     args = (qs, ws, ls, st, k, s)
+    variants = [(name, f.lower(*args).compile()) for name, f in variants]   # compiled once
+    for name, f in variants:      # where XLA put the loop's control flow
+        r = command_buffer_report(f.as_text())
+        tab.notes.append(f"{name}: {r['command_buffers']} command buffers in the optimized "
+                         f"program; conditionals {r['conditional']} "
+                         f"({r['conditional_in_command_buffers']} inside one), while loops "
+                         f"{r['while']} ({r['while_in_command_buffers']} inside one)")
     want = variants[0][1](*args)[1]
     for name, f in variants[1:]:
         got = f(*args)[1]

@@ -162,6 +162,52 @@ def device_breakdown(fn, *args, warmup: int = 2, iters: int = 3, top: int = 30):
         shutil.rmtree(d, ignore_errors=True)
 
 
+def command_buffer_report(hlo_text: str) -> dict:
+    """Where a compiled program's control flow sits relative to XLA:GPU's command buffers (CUDA
+    graphs), from its optimized HLO (``jit(f).lower(...).compile().as_text()``): XLA outlines
+    the ops it captures into computations named ``command_buffer…`` and calls them; a
+    ``conditional`` or ``while`` outside them runs on the host between graphs (its predicate
+    read back). Returns the number of command-buffer computations, and per op kind
+    (``conditional``, ``while``) how many there are and how many sit inside a command buffer
+    (directly in one, or in a computation only a command buffer reaches)."""
+    comps, current = {}, None
+    for line in hlo_text.splitlines():
+        head = line.strip()
+        if head.endswith("{") and "->" in head and " = " not in head:    # a computation
+            words = head.split()
+            current = (words[1] if words[0] == "ENTRY" else words[0]).lstrip("%")
+            comps[current] = []
+        elif head == "}":
+            current = None
+        elif current is not None and " = " in head:
+            comps[current].append(head)
+    callers = {}                     # computation -> the computations that call it
+    for name, ops in comps.items():
+        for op in ops:
+            for key in ("calls=", "to_apply=", "body=", "condition=", "branch_computations={",
+                        "true_computation=", "false_computation="):
+                i = op.find(key)
+                while i >= 0:
+                    rest = op[i + len(key):]
+                    for callee in rest.split("}")[0].split(",") if key.endswith("{") \
+                            else [rest.split(",")[0].split(")")[0]]:
+                        callers.setdefault(callee.strip().lstrip("%"), set()).add(name)
+                    i = op.find(key, i + 1)
+    buffers = {n for n in comps if n.startswith("command_buffer")}
+
+    def captured(name, seen=()):      # every path from the entry passes a command buffer
+        if name in buffers:
+            return True
+        up = callers.get(name, set()) - set(seen)
+        return bool(up) and all(captured(c, seen + (name,)) for c in up)
+    out = dict(command_buffers=len(buffers))
+    for kind in ("conditional", "while"):
+        where = [n for n, ops in comps.items() for op in ops if f" {kind}(" in op]
+        out[kind] = len(where)
+        out[f"{kind}_in_command_buffers"] = sum(captured(n) for n in where)
+    return out
+
+
 def device_times(fn, *args, warmup: int = 2, iters: int = 10):
     """Per-call times in seconds: (device [iters] or ``None`` without GPU records, wall [iters]).
 

@@ -11,6 +11,8 @@
 # decode_graphs (B = 1, 8 at N = 1M, 128K, H = 32, contiguous: every loop also compiled with
 # benchmarks.decode.GRAPH_COMPILER_OPTIONS) |
 # decode_parts (one decode step timed by part; PARTS_ARGS adds options, e.g. --B 1 --N 131072) |
+# decode_loop (decode_parts' loop study at B = 1, N = 128K and 1M, and B = 8, N = 1M: the step in a
+# 16-step lax.scan at three compiles and without its lax.cond, where XLA put its conditionals) |
 # slack_train | slack_eval (the slack fine-tune in two calls: slack_train writes every λ's
 # weights_lambda_<λ>.npz to $OUT; slack_eval measures the files in SLACK_WEIGHTS, a folder the
 # call carries; SLACK_ARGS adds options, e.g. --lambdas 0,0.2,1,4)
@@ -92,6 +94,12 @@ for s in $stages; do
       --tag graphs --out "$OUT" ;;
     decode_parts) run decode_parts "${DECODE_TIMEOUT:-300}" python -m benchmarks.decode_parts \
       --out "$OUT" $PARTS_ARGS ;;
+    decode_loop)   # the loop study at B = 1 (128K, 1M) and B = 8 (1M), one run each
+      for c in "1 131072 b1_128k" "1 1048576 b1_1m" "8 1048576 b8_1m"; do
+        read -r nb nk tg <<< "$c"
+        run "decode_loop_$tg" "${DECODE_TIMEOUT:-150}" python -m benchmarks.decode_parts \
+          --studies loop --B "$nb" --N "$nk" --tag "loop_$tg" --out "$OUT" $PARTS_ARGS
+      done ;;
     decode64) run decode64 "${DECODE_TIMEOUT:-580}" python -m benchmarks decode --cases H64 \
       --tag h64 --out "$OUT" ;;
     slack_train) run slack_train "${SLACK_TIMEOUT:-580}" python -m benchmarks.slack_finetune \
@@ -101,7 +109,8 @@ for s in $stages; do
       --out "$OUT" $SLACK_ARGS ;;
     *) echo "gpu.sh: unknown stage $s (tests headline matrix matrix1m matrix1m_bw matrix1m64" \
          "matrix128k matrix1m_slack matrix1m64_slack kernels select agreement context_parallel" \
-         "witness_timing decode decode32 decode64 decode_graphs decode_parts slack_train slack_eval)" >&2
+         "witness_timing decode decode32 decode64 decode_graphs decode_parts decode_loop slack_train" \
+         "slack_eval)" >&2
        exit 2 ;;
   esac
 done

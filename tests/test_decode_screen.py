@@ -327,6 +327,10 @@ def test_decode_parts_benchmark_runs_on_cpu(tmp_path):
     assert (tmp_path / "decode_loop_cpu.md").read_text().startswith("# 3 steps in one lax.scan")
     assert any("bitwise the same; sequence-steps needing the fallback: " in n
                for n in loops["notes"])
+    # the CPU compile has no command buffers; the decode loop has its scan and conditionals
+    placed = [n for n in loops["notes"] if n.startswith("decode_topk, default compile: 0 "
+                                                        "command buffers")]
+    assert len(placed) == 1 and "(0 inside one), while loops" in placed[0]
     assert sum(n.startswith("sequence 0 stale: ") and "second round certifies it: " in n
                for n in saved["notes"]) == 1
     assert any("sorted pool" in n and "bitwise" in n for n in saved["notes"])

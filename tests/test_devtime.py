@@ -83,3 +83,55 @@ def test_breakdown_sums_kernels_per_call_and_counts_idle_gaps():
     assert rows[0]["launches"] == 2 and rows[3]["ms"] == pytest.approx(ms)
     assert rows[-1]["ms"] == 0
     assert devtime.breakdown(_trace([(0, 10)], {}), 1) is None
+
+
+def test_command_buffer_report_places_each_conditional():
+    """A loop body with one conditional between two command buffers (a host round trip) and
+    one inside the second, whose branch holds a third: 2 of 3 captured, the loop not."""
+    hlo = """HloModule jit_step, is_scheduled=true
+
+%inner_true (p: (f32[8])) -> (f32[8]) {
+  ROOT %p = (f32[8]{0}) parameter(0)
+}
+
+%branch_a (a: (f32[8])) -> (f32[8]) {
+  %a = (f32[8]{0}) parameter(0)
+  %c = pred[] constant(true)
+  ROOT %conditional.9 = (f32[8]{0}) conditional(%c, %a, %a), branch_computations={%inner_true, %inner_true}
+}
+
+%command_buffer.1 (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  ROOT %fusion.1 = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused_computation
+}
+
+%command_buffer.2 (y: (f32[8]), q: pred[]) -> (f32[8]) {
+  %y = (f32[8]{0}) parameter(0)
+  %q = pred[] parameter(1)
+  ROOT %conditional.2 = (f32[8]{0}) conditional(%q, %y, %y), branch_computations={%branch_a, %inner_true}
+}
+
+%body (b: (f32[8])) -> (f32[8]) {
+  %b = (f32[8]{0}) parameter(0)
+  %g = f32[8]{0} get-tuple-element(%b), index=0
+  %call.1 = f32[8]{0} call(%g), to_apply=%command_buffer.1
+  %t = (f32[8]{0}) tuple(%call.1)
+  %pr = pred[] constant(false)
+  %conditional.1 = (f32[8]{0}) conditional(%pr, %t, %t), branch_computations={%inner_true, %inner_true}
+  ROOT %call.2 = (f32[8]{0}) call(%conditional.1, %pr), to_apply=%command_buffer.2
+}
+
+%cond (c: (f32[8])) -> pred[] {
+  %c = (f32[8]{0}) parameter(0)
+  ROOT %k = pred[] constant(false)
+}
+
+ENTRY %main.1 (arg: f32[8]) -> (f32[8]) {
+  %arg = f32[8]{0} parameter(0)
+  %tu = (f32[8]{0}) tuple(%arg)
+  ROOT %while.1 = (f32[8]{0}) while(%tu), condition=%cond, body=%body
+}
+"""
+    r = devtime.command_buffer_report(hlo)
+    assert r == dict(command_buffers=2, conditional=3, conditional_in_command_buffers=2,
+                     **{"while": 1, "while_in_command_buffers": 0})
