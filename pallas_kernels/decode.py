@@ -87,7 +87,7 @@ SCREEN_PROGRAMS = 4096
 SCREEN_MAX_SPLITS = 512
 #: The second round's record slots per sequence, in multiples of the candidate capacity: the
 #: screen's records are first laid end to end in this many slots (its [S, C] buffers hold
-#: S·C slots, mostly empty: 16.8M at B = 8, N = 1M), so θ₂'s bisection reads few; a sequence
+#: S·C slots, mostly empty: 16.8M at B = 8, N = 1M), so θ₂'s counting passes read few; a sequence
 #: with more records is left to the canonical scan.
 SECOND_ROUND_SLOTS = 8
 #: Bits of θ₂ found per counting pass of :func:`bound_threshold` (32 / bits passes, each
@@ -662,12 +662,12 @@ def bound_threshold(rk, cnt, cap: int):
     pass counts the slots at or above the 2^bits − 1 prefixes that extend v's by one digit
     and keeps the largest whose count exceeds ``cap`` (the counts fall as the digit grows)."""
     B, S, C = rk.shape
+    if S * C <= cap:      # every order key has at most cap slots at or above it: θ₂ the least
+        return jnp.full((B,), INT32_MIN, jnp.int32), jnp.ones((B,), bool)
     used = jnp.arange(C, dtype=jnp.int32)[None, None, :] < cnt[:, :, None]
     # unsigned order: the order keys with their top bit flipped, compared as uint32
     keys = lax.bitcast_convert_type(jnp.where(used, rk, INT32_MIN).reshape(B, S * C),
                                     jnp.uint32) ^ jnp.uint32(0x80000000)
-    if S * C <= cap:      # every order key has at most cap slots at or above it: θ₂ the least
-        return jnp.full((B,), INT32_MIN, jnp.int32), jnp.ones((B,), bool)
     bits = THRESHOLD_DIGIT_BITS
     digits = jnp.arange(1, 1 << bits, dtype=jnp.uint32)
     v = jnp.zeros((B,), jnp.uint32)      # more than cap slots ≥ v (every slot ≥ 0)
