@@ -110,6 +110,9 @@ LOOP_STEPS = 16
 LOOP_COMPILES = (("default compile", None),
                  ("no conditionals in command buffers",
                   {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"}),
+                 ("conditionals in command buffers, while loops not",
+                  {"xla_gpu_enable_command_buffer":
+                   "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL"}),
                  ("no command buffers", {"xla_gpu_enable_command_buffer": ""}))
 
 
@@ -153,9 +156,12 @@ def loop_study(inp, k, s, st, cfg, B: int, out: str, meta, title: str, tag: str,
     """``decode_topk`` inside a ``lax.scan`` of ``steps`` consecutive steps (what a
     generation loop runs), at each of :data:`LOOP_COMPILES`, beside the certified path alone:
     the same step without its ``lax.cond`` (witnesses, screen, rescoring, selection — the
-    answer only where no sequence needs the fallback, checked on these steps). Each loop
+    answer only where no sequence needs the fallback, checked on these steps), and the
+    certified path with a ``lax.cond`` on its predicate whose branches do next to nothing
+    (what the conditional alone costs a loop). Each loop
     timed twice, alternating; per step: ms, and from a device trace span, busy, idle
-    (span − busy: the host's share) and launches; and for each compile, where XLA put the
+    (span − busy: the host's share), where that idle time falls (between which activities)
+    and launches; and for each compile, where XLA put the
     loop's conditionals and while loops relative to its command buffers
     (:func:`benchmarks.devtime.command_buffer_report`)."""
     from dosa_jax.decode import fit_witnesses, seeded_witnesses, witness_budget
@@ -186,24 +192,36 @@ def loop_study(inp, k, s, st, cfg, B: int, out: str, meta, title: str, tag: str,
         nxt = dosa_jax.DecodeState(fit_witnesses(out_[4][0], state.ids.shape[1]))
         return nxt, (out_[0], out_[1], jnp.sum(need, dtype=jnp.int32))
 
+    def round_trip(state, q, w, n, k, s):   # the same with one lax.cond on its predicate
+        nxt, (idx, sc, needed) = certified(state, q, w, n, k, s)
+        idx = lax.cond(needed > 0, lambda i: jnp.full_like(i, -1), lambda i: i, idx)
+        return nxt, (idx, sc, needed)
+
     def loop(step, options=None):
         f = lambda qs, ws, ls, st, k, s: lax.scan(lambda c, x: step(c, *x, k, s), st,
                                                   (qs, ws, ls))   # the caches: arguments
         return jax.jit(f, compiler_options=options) if options else jax.jit(f)
 
+    short = lambda g: " -> ".join(x[:48] for x in g.split(" -> "))
     on_gpu = dosa_jax.backend.on_gpu()
     variants = [(f"decode_topk, {name}", loop(full, o)) for name, o in LOOP_COMPILES
                 if on_gpu or o is None]
+    variants.append(("the certified path and a lax.cond on its predicate whose branches "
+                     "do nothing but a fill (the conditional's own cost)", loop(round_trip)))
     variants.append(("the certified path alone: no lax.cond (not exact where a sequence "
                      "needs the fallback)", loop(certified)))
     args = (qs, ws, ls, st, k, s)
     variants = [(name, f.lower(*args).compile()) for name, f in variants]   # compiled once
     for name, f in variants:      # where XLA put the loop's control flow
         r = command_buffer_report(f.as_text())
-        tab.notes.append(f"{name}: {r['command_buffers']} command buffers in the optimized "
-                         f"program; conditionals {r['conditional']} "
-                         f"({r['conditional_in_command_buffers']} inside one), while loops "
-                         f"{r['while']} ({r['while_in_command_buffers']} inside one)")
+        where = (f"{r['command_buffers']} command-buffer computations, "
+                 f"{r['conditional_in_command_buffers']} conditionals and "
+                 f"{r['while_in_command_buffers']} while loops inside one"
+                 if r["command_buffers"] else
+                 "no command-buffer computation (this XLA forms its command buffers after the "
+                 "HLO, from the thunk sequence, so the HLO cannot say which ops they hold)")
+        tab.notes.append(f"{name}: optimized HLO: conditionals {r['conditional']}, while loops "
+                         f"{r['while']}; {where}")
     want = variants[0][1](*args)[1]
     for name, f in variants[1:]:
         got = f(*args)[1]
@@ -212,7 +230,7 @@ def loop_study(inp, k, s, st, cfg, B: int, out: str, meta, title: str, tag: str,
         needed = int(jnp.sum(got[2]))
         tab.notes.append(f"{name}: answers {'bitwise the same' if same else 'DIFFER'}"
                          + (f"; sequence-steps needing the fallback: {needed}"
-                            if f is variants[-1][1] else ""))
+                            if name.startswith("the certified path") else ""))
         if not same and not needed:
             raise AssertionError(f"the loop '{name}' answers differently")
     rows = {name: dict(variant=name) for name, _ in variants}
@@ -222,10 +240,13 @@ def loop_study(inp, k, s, st, cfg, B: int, out: str, meta, title: str, tag: str,
                 * 1e3 / steps
             log(f"[decode_parts] loop, {name}: {rows[name][key]:.3f} ms/step")
     for name, f in variants:
-        b = device_breakdown(f, *args, warmup=1, iters=3, top=1)
+        b = device_breakdown(f, *args, warmup=1, iters=3, top=4)
         if b is not None:
             rows[name].update(span=b["span_ms"] / steps, busy=b["busy_ms"] / steps,
                               idle=b["idle_ms"] / steps, launches=b["launches"] / steps)
+            tab.notes.append(f"{name}: idle by place (ms/step; the activity before → after): "
+                             + "; ".join(f"{short(g)} {ms / steps:.4f} ({n / steps:.2f}×)"
+                                         for g, ms, n in b["gaps"][:4]))
         tab.add(rows[name])
     return tab
 

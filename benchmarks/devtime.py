@@ -92,21 +92,23 @@ def breakdown(pd, iters: int, top: int = 30):
     host round trips such as a ``lax.cond`` predicate or a while loop's condition),
     ``launches`` (mean activities per call) and ``kernels``: the ``top`` names by mean time
     per call, each ``[name, ms, count, op]`` (op: the event's ``tf_op``/``hlo_op`` stat, the
-    jax name stack where XLA records it). ``None`` without GPU activity records.
+    jax name stack where XLA records it); ``gaps``: where the idle time falls, the ``top``
+    pairs (the activity that ended last → the next to start) by mean idle time per call,
+    each ``["before -> after", ms, count]``. ``None`` without GPU activity records.
     """
     wins = _call_windows(pd)
     evs = [(e.start_ns, e.start_ns + e.duration_ns, e.name, e) for e in _stream_events(pd)]
     if not evs or len(wins) != iters:
         return None
     evs.sort(key=lambda x: x[0])
-    per, spans, busy, launches, ops = {}, [], [], [], {}
+    per, spans, busy, launches, ops, gaps = {}, [], [], [], {}, {}
     for i, (s, _) in enumerate(wins):
         nxt = wins[i + 1][0] if i + 1 < iters else float("inf")
         mine = [x for x in evs if s <= x[0] < nxt]
         if not mine:
             return None
         spans.append((max(x[1] for x in mine) - mine[0][0]) * 1e-6)
-        b, cur_s, cur_e = 0, None, None
+        b, cur_s, cur_e, last = 0, None, None, None
         for a, z, name, e in mine:
             per.setdefault(name, [0.0, 0])
             per[name][0] += (z - a) * 1e-6
@@ -116,9 +118,14 @@ def breakdown(pd, iters: int, top: int = 30):
             if cur_e is None or a > cur_e:
                 if cur_e is not None:
                     b += cur_e - cur_s
+                    g = gaps.setdefault((last, name), [0.0, 0])   # idle: ended → next start
+                    g[0] += (a - cur_e) * 1e-6
+                    g[1] += 1
                 cur_s, cur_e = a, z
             else:
                 cur_e = max(cur_e, z)
+            if z >= cur_e:
+                last = name      # the activity that ends last so far
         b += cur_e - cur_s
         busy.append(b * 1e-6)
         launches.append(len(mine))
@@ -126,9 +133,12 @@ def breakdown(pd, iters: int, top: int = 30):
                   key=lambda r: -r[1])
     spans.sort()
     mean = lambda x: sum(x) / len(x)
+    idle = sorted(([f"{a} -> {z}", v[0] / iters, v[1] / iters] for (a, z), v in gaps.items()),
+                  key=lambda r: -r[1])
     return dict(span_ms=spans[len(spans) // 2], busy_ms=mean(busy),
                 idle_ms=mean(spans) - mean(busy), launches=mean(launches),
-                kernels=rows[:top], other_ms=sum(r[1] for r in rows[top:]))
+                kernels=rows[:top], other_ms=sum(r[1] for r in rows[top:]),
+                gaps=idle[:top])
 
 
 def breakdown_rows(b):

@@ -74,6 +74,8 @@ def test_breakdown_sums_kernels_per_call_and_counts_idle_gaps():
     assert b["busy_ms"] == pytest.approx(2500e-6)
     assert b["idle_ms"] == pytest.approx(500e-6)
     assert b["launches"] == 2
+    # where the idle falls: one gap of 1000 ns in call 1, after a "fusion", before a "fusion"
+    assert b["gaps"] == [["fusion -> fusion", pytest.approx(1000e-6 / 2), 0.5]]
     (name, ms, count, _), = b["kernels"]
     assert name == "fusion" and count == 2
     assert ms == pytest.approx((3500 + 2000) * 1e-6 / 2)
