@@ -218,6 +218,18 @@ def command_buffer_report(hlo_text: str) -> dict:
     return out
 
 
+def custom_call_targets(hlo_text: str) -> dict:
+    """How many custom calls of each target an optimized HLO holds (e.g. a CUB radix sort,
+    ``__cub$DeviceRadixSort``, which XLA:GPU may not capture into a command buffer)."""
+    out = {}
+    for line in hlo_text.splitlines():
+        i = line.find('custom_call_target="')
+        if i >= 0 and " custom-call(" in line:
+            name = line[i + len('custom_call_target="'):].split('"')[0]
+            out[name] = out.get(name, 0) + 1
+    return dict(sorted(out.items()))
+
+
 def device_times(fn, *args, warmup: int = 2, iters: int = 10):
     """Per-call times in seconds: (device [iters] or ``None`` without GPU records, wall [iters]).
 

@@ -137,3 +137,16 @@ ENTRY %main.1 (arg: f32[8]) -> (f32[8]) {
     r = devtime.command_buffer_report(hlo)
     assert r == dict(command_buffers=2, conditional=3, conditional_in_command_buffers=2,
                      **{"while": 1, "while_in_command_buffers": 0})
+
+
+def test_custom_call_targets_counts_each_target():
+    hlo = """ENTRY %m (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %s = (f32[8]{0}, u8[64]{0}) custom-call(%a), custom_call_target="__cub$DeviceRadixSort"
+  %t = (f32[8]{0}, u8[64]{0}) custom-call(%a), custom_call_target="__cub$DeviceRadixSort"
+  %u = f32[8]{0} custom-call(%a), custom_call_target="__gpu$xla.gpu.triton", backend_config="x"
+  ROOT %f = f32[8]{0} fusion(%a), kind=kLoop, calls=%c
+}"""
+    assert devtime.custom_call_targets(hlo) == {"__cub$DeviceRadixSort": 2,
+                                                "__gpu$xla.gpu.triton": 1}
+    assert devtime.custom_call_targets("ENTRY %m () -> f32[] {}") == {}
