@@ -52,7 +52,6 @@ import numpy as np
 from jax import lax
 
 from dosa_jax.config import Config
-from dosa_jax.digit_select import top_k_rows
 from dosa_jax.inputs import FLOAT_INPUT_DTYPES, FP8_DTYPE
 from dosa_jax.scorer import full_scores_tile
 from dosa_jax.seeds import distinct_visible, seed_at, seed_layout
@@ -69,7 +68,7 @@ WITNESS_FACTOR = 4
 
 __all__ = ["DecodeState", "DecodeStats", "MAX_QUERIES", "WITNESS_FACTOR", "best_witnesses",
            "candidate_capacity", "decode_config", "decode_init", "decode_topk_reference",
-           "differentiable_scores", "distinct_pool", "fit_witnesses", "key_table", "looked_at", "members",
+           "differentiable_scores", "distinct_pool", "fit_witnesses", "key_table", "looked_at",
            "seeded_witnesses", "select_and_witness", "select_with_witnesses", "selected_rows",
            "witness_budget",
            "witness_threshold"]
@@ -330,15 +329,12 @@ def witness_budget(W: int, M: int) -> int:
     return max(1, W // M)
 
 
-def best_witnesses(keys: Array, ids: Array, n: int, limit=None):
+def best_witnesses(keys: Array, ids: Array, n: int):
     """(ids, order keys) [M, n] of the ``n`` largest order keys of rows ``keys`` [M, P] (−1 /
     ``INT32_MIN`` where ``INT32_MIN``, and beyond P): the witnesses carried to the next step,
-    with their current keys (what merges them across devices). ``limit``: rows longer than
-    that are selected without a sort of the row (:func:`dosa_jax.digit_select.top_k_rows`,
-    the same answer); default ``lax.top_k``."""
+    with their current keys (what merges them across devices)."""
     nn = min(n, keys.shape[1])
-    top_key, top_pos = (lax.top_k(keys, nn) if limit is None
-                        else top_k_rows(keys.astype(jnp.int32), nn, limit))
+    top_key, top_pos = lax.top_k(keys, nn)
     out = jnp.where(top_key == INT32_MIN, -1, jnp.take_along_axis(ids, top_pos, axis=1))
     if nn < n:
         out = jnp.pad(out, ((0, 0), (0, n - nn)), constant_values=-1)
@@ -370,7 +366,7 @@ def distinct_pool(buffer_keys, buffer_ids, witness_keys, witness_ids):
     return jnp.where(first, keys, INT32_MIN), ids
 
 
-def members(sorted_ids: Array, ids: Array) -> Array:
+def _members(sorted_ids: Array, ids: Array) -> Array:
     """Whether each of ``ids`` [n] occurs in ``sorted_ids`` [m] (ascending; pads
     ``INT32_MAX``): a binary search per id, unrolled (one fused pass, no sort)."""
     pos = jnp.searchsorted(sorted_ids, ids, side="left", method="scan_unrolled")
@@ -398,7 +394,7 @@ def select_and_witness(cand_keys: Array, cand_ids: Array, witness_keys: Array,
     """
     imax = jnp.iinfo(jnp.int32).max
     sorted_ids = jnp.where(cand_ids >= 0, cand_ids, imax)
-    member = jax.vmap(members)(sorted_ids, witness_ids.astype(jnp.int32))
+    member = jax.vmap(_members)(sorted_ids, witness_ids.astype(jnp.int32))
     wk = jnp.where(member | (witness_ids < 0), INT32_MIN, witness_keys)
     keys = jnp.concatenate([cand_keys, wk], axis=1)
     ids = jnp.concatenate([cand_ids, witness_ids.astype(jnp.int32)], axis=1)

@@ -18,8 +18,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dosa_jax.digit_select import top_k_rows
-
 Array = jax.Array
 INT32_MIN = jnp.iinfo(jnp.int32).min
 INT32_MAX = jnp.iinfo(jnp.int32).max
@@ -52,16 +50,13 @@ def _decode(top_key, top_id, k: int):
     return idx, out_s
 
 
-def select_by_position(scores: Array, k: int, valid=None, limit=None):
+def select_by_position(scores: Array, k: int, valid=None):
     """Exact Top-k of rows where the key index is the column position.
 
     Args:
       scores: [..., M] float32.
       k: static number to select (k may exceed M: extra slots are pads).
       valid: optional [..., M] bool; invalid columns are not eligible.
-      limit: optional; rows [R, M] longer than ``limit`` are selected without a sort of the
-        row (:func:`dosa_jax.digit_select.top_k_rows`: the same answer). Default
-        ``lax.top_k``.
     Returns:
       (indices int32 [..., k], scores float32 [..., k]) in contract order.
     """
@@ -70,10 +65,7 @@ def select_by_position(scores: Array, k: int, valid=None, limit=None):
     if valid is not None:
         key = jnp.where(valid, key, INT32_MIN)
     kk = min(k, M)
-    if limit is not None and key.ndim == 2:
-        top_key, top_pos = top_k_rows(key, kk, limit)
-    else:
-        top_key, top_pos = lax.top_k(key, kk)  # stable: equal keys keep position order
+    top_key, top_pos = lax.top_k(key, kk)  # stable: equal keys keep position order
     return _decode(top_key, top_pos.astype(jnp.int32), k)
 
 

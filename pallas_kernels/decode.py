@@ -52,12 +52,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from dosa_jax.decode import (WITNESS_FACTOR, DecodeStats, best_witnesses, candidate_capacity,
-                             distinct_pool, members, select_and_witness, select_with_witnesses,
+                             distinct_pool, select_and_witness, select_with_witnesses,
                              sequence_keys, witness_budget)
 from dosa_jax import numerics as nm
-from dosa_jax.digit_select import SORT_ROW_LIMIT, largest_with_count
 from dosa_jax.seeds import distinct_visible
-from dosa_jax.selection import INT32_MIN, key_to_score, select_by_position
+from dosa_jax.selection import INT32_MIN, key_to_score
 from dosa_jax.tiling import round_up_to
 from pallas_kernels import numerics
 from pallas_kernels import records as rec
@@ -404,34 +403,13 @@ def same_records(a, b) -> bool:
                for x, y in ((rka, rkb), (ria, rib)))
 
 
-def records_end_to_end(rk, ri, cnt, K: int):
-    """Every split's first ``min(cnt, K)`` records laid end to end — in id order: each split
-    holds its records in id order, the splits cover ascending id ranges — (keys [T, S·K]
-    (``INT32_MIN`` pads after them), ids (−1 pads), valid)."""
-    T, S, _ = rk.shape
-    keys, ids, _, total = compact_records(rk[..., :K], ri[..., :K], jnp.minimum(cnt, K), S * K)
-    valid = jnp.arange(S * K, dtype=jnp.int32)[None, :] < total[:, None]
-    return keys[:, 0], ids[:, 0], valid
-
-
-def select_all_records(rk, ri, cnt, K: int):
-    """:func:`pallas_kernels.records.select_from_records`, bitwise: the exact Top-K of every
-    record (each split's first K), read from :func:`records_end_to_end` (id order) and
-    selected by :func:`dosa_jax.digit_select.top_k_rows` — no sort of a row longer than
-    :data:`dosa_jax.digit_select.SORT_ROW_LIMIT`, so a conditional holding it stays in a
-    command buffer. Returns (indices [T, K], scores [T, K])."""
-    keys, ids, valid = records_end_to_end(rk, ri, cnt, K)
-    pos, sc = select_by_position(key_to_score(keys), K, valid, limit=SORT_ROW_LIMIT)
-    return jnp.where(pos >= 0, jnp.take_along_axis(ids, jnp.maximum(pos, 0), axis=1), -1), sc
-
-
 def gather_records(rk, ri, cnt, K: int, capacity: int):
     """Exact Top-K of the splits' records through a buffer of ``capacity`` slots per query.
 
     Each split holds ≤ K records in id order and the splits cover ascending id ranges, so
     the records laid end to end are in id order; ``lax.top_k`` of that buffer (stable) is
     the Top-K in tie order. Queries with more records than ``capacity`` are selected over
-    all records (:func:`select_all_records`; ``lax.cond``).
+    all records (:func:`pallas_kernels.records.select_from_records`; ``lax.cond``).
 
     Returns (indices [T, K], scores [T, K], records [T], overflow [T] bool,
     (buffer keys, buffer ids) [T, capacity]).
@@ -446,7 +424,7 @@ def gather_records(rk, ri, cnt, K: int, capacity: int):
     over = total > capacity
 
     def fallback(c):
-        fi, fs = select_all_records(rk, ri, cnt, K)
+        fi, fs = rec.select_from_records(rk, ri, cnt, K)
         return jnp.where(over[:, None], fi, c[0]), jnp.where(over[:, None], fs, c[1])
 
     idx, sc = lax.cond(jnp.any(over), fallback, lambda c: c, comp)
@@ -456,19 +434,12 @@ def gather_records(rk, ri, cnt, K: int, capacity: int):
 def record_witnesses(rk, ri, cnt, K: int, n: int, wk, wids):
     """The ``n`` best of each query's records (all splits) and witnesses, each id once
     (:func:`dosa_jax.decode.best_witnesses`: ids and order keys): the next step's witnesses
-    of a query whose records overflowed the selection buffer.
-
-    The records, each id once, laid end to end (:func:`records_end_to_end`: id order) come
-    first; a witness joins when its id is not among them (a binary search in those ids) —
-    the pool of :func:`dosa_jax.decode.distinct_pool` (witnesses distinct among themselves:
-    repeats carry −1), its entries in the same order, with no sort; the selection sorts no
-    row longer than :data:`dosa_jax.digit_select.SORT_ROW_LIMIT`."""
-    keys, ids, valid = records_end_to_end(rk, ri, cnt, K)
-    wids = jnp.broadcast_to(wids, (keys.shape[0], wids.shape[-1])).astype(jnp.int32)
-    member = jax.vmap(members)(jnp.where(valid, ids, jnp.iinfo(jnp.int32).max), wids)
-    wk = jnp.where(member | (wids < 0), INT32_MIN, wk)
-    return best_witnesses(jnp.concatenate([keys, wk], axis=1),
-                          jnp.concatenate([ids, wids], axis=1), n, limit=SORT_ROW_LIMIT)
+    of a query whose records overflowed the selection buffer."""
+    T, S, _ = rk.shape
+    valid = jnp.arange(K, dtype=jnp.int32)[None, None, :] < jnp.minimum(cnt, K)[:, :, None]
+    keys = jnp.where(valid, rk[..., :K], INT32_MIN).reshape(T, S * K)
+    ids = jnp.where(valid, ri[..., :K], -1).reshape(T, S * K)
+    return best_witnesses(*distinct_pool(keys, ids, wk, wids), n)
 
 
 def workspace_bytes(B: int, K: int, W: int, D: int, *, capacity=None, splits: int,
@@ -687,10 +658,9 @@ def bound_threshold(rk, cnt, cap: int):
 
     θ₂ is one above v, the largest order key with more than ``cap`` slots at or above it (the
     (cap + 1)-th largest slot, unused slots counting as ``INT32_MIN``), found digit by digit
-    from the top in the keys' unsigned order, :data:`THRESHOLD_DIGIT_BITS` bits a pass
-    (:func:`dosa_jax.digit_select.largest_with_count`): each pass counts the slots at or
-    above the 2^bits − 1 prefixes that extend v's by one digit and keeps the largest whose
-    count exceeds ``cap`` (the counts fall as the digit grows)."""
+    from the top in the keys' unsigned order, :data:`THRESHOLD_DIGIT_BITS` bits a pass: each
+    pass counts the slots at or above the 2^bits − 1 prefixes that extend v's by one digit
+    and keeps the largest whose count exceeds ``cap`` (the counts fall as the digit grows)."""
     B, S, C = rk.shape
     if S * C <= cap:      # every order key has at most cap slots at or above it: θ₂ the least
         return jnp.full((B,), INT32_MIN, jnp.int32), jnp.ones((B,), bool)
@@ -698,7 +668,13 @@ def bound_threshold(rk, cnt, cap: int):
     # unsigned order: the order keys with their top bit flipped, compared as uint32
     keys = lax.bitcast_convert_type(jnp.where(used, rk, INT32_MIN).reshape(B, S * C),
                                     jnp.uint32) ^ jnp.uint32(0x80000000)
-    v = largest_with_count(keys, cap + 1, THRESHOLD_DIGIT_BITS)   # the (cap + 1)-th largest
+    bits = THRESHOLD_DIGIT_BITS
+    digits = jnp.arange(1, 1 << bits, dtype=jnp.uint32)
+    v = jnp.zeros((B,), jnp.uint32)      # more than cap slots ≥ v (every slot ≥ 0)
+    for shift in range(32 - bits, -1, -bits):
+        t = v[:, None] | (digits[None, :] << shift)                          # [B, 2^bits − 1]
+        over = jnp.sum(keys[:, :, None] >= t[:, None, :], axis=1) > cap       # falls with t
+        v = v | (jnp.sum(over, axis=1, dtype=jnp.uint32) << shift)
     top = v == jnp.uint32(0xFFFFFFFF)    # more than cap slots share the largest order key
     theta = lax.bitcast_convert_type(jnp.where(top, v, v + 1) ^ jnp.uint32(0x80000000), jnp.int32)
     return theta, ~top
@@ -875,8 +851,7 @@ def decode_topk_reference(q, k, w, ids, k_scale, lengths, page_table, config):
 
 __all__ = ["KEY_TILE", "Prepared", "SLOTS", "decode_scan", "decode_topk", "decode_topk_reference",
            "default_splits", "gather_candidates", "gather_records", "key_layout", "key_norm_upper",
-           "key_rows", "max_screen_splits", "prepare", "record_witnesses", "records_end_to_end",
-           "scan_records", "select_all_records",
+           "key_rows", "max_screen_splits", "prepare", "record_witnesses", "scan_records",
            "scan_tile", "screen_layout",
            "SECOND_ROUND_SLOTS", "bound_threshold", "compact_records", "exact_rows", "exact_step",
            "records_at_least",
