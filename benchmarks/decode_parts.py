@@ -61,10 +61,14 @@ of ``--repeats`` calls after warm-up):
   (:func:`benchmarks.devtime.device_breakdown`: the span, the busy time of the streams, the
   idle time between launches, and the costliest kernels with their XLA op), a second table;
 * ``loop`` (a second table, ``decode_loop_<tag>``): the step inside a ``lax.scan`` of 16
-  (``--loop-steps``) consecutive steps, as a generation loop runs it, at XLA's default compile, without
-  conditionals in command buffers and without command buffers, beside the certified path
-  alone (the step without its ``lax.cond``, the fallback left out: what the step's one
-  conditional costs a loop), each with its trace's busy and idle time per step;
+  (``--loop-steps``) consecutive steps, as a generation loop runs it, at each of
+  :data:`LOOP_COMPILES` (``--loop-compiles``: XLA's default, conditionals on the host or in
+  command buffers, no CUB sorts, no command buffers), beside the certified path with a
+  conditional that does nothing and the certified path alone (the step without its
+  ``lax.cond``, the fallback left out: what the step's one conditional costs a loop), each
+  with its trace's busy and idle time per step and where the idle time falls. With
+  ``--parts P --studies loop`` the loop study runs beside those parts only (an A/B of two
+  trees in little device time: ``gpu.sh decode_loop_ab``);
 * ``top_k rows``: ``lax.top_k`` of the witness order keys over all 4 slots per sequence and
   over the M real ones (what the padded slots cost); ``kth_largest rows all slots``: the same
   K-th value by ``pallas_kernels.kth_largest``, as the step takes τ_w (checked bitwise equal).
@@ -110,14 +114,16 @@ LOOP_STEPS = 16
 #: with conditionals but not while loops, without CUB radix sorts (XLA:GPU's rewrite of long
 #: one-row sorts, which may keep a conditional out of a command buffer), and none (every
 #: kernel launched by the host).
-LOOP_COMPILES = (("default compile", None),
-                 ("no conditionals in command buffers",
-                  {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"}),
-                 ("conditionals in command buffers, while loops not",
-                  {"xla_gpu_enable_command_buffer":
-                   "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL"}),
-                 ("CUB radix sorts off", {"xla_gpu_enable_cub_radix_sort": False}),
-                 ("no command buffers", {"xla_gpu_enable_command_buffer": ""}))
+#: Keyed by the names ``--loop-compiles`` takes.
+LOOP_COMPILES = {"default": ("default compile", None),
+                 "host_conditionals": ("no conditionals in command buffers",
+                                       {"xla_gpu_enable_command_buffer":
+                                        "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"}),
+                 "conditionals": ("conditionals in command buffers, while loops not",
+                                  {"xla_gpu_enable_command_buffer":
+                                   "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL"}),
+                 "no_cub": ("CUB radix sorts off", {"xla_gpu_enable_cub_radix_sort": False}),
+                 "none": ("no command buffers", {"xla_gpu_enable_command_buffer": ""})}
 
 
 #: The parts timed in every run (``--parts`` picks among them; the studies follow them).
@@ -156,7 +162,7 @@ def step_kernels(step, args, meta, out: str, title: str, tag: str, repeats: int)
 
 
 def loop_study(inp, k, s, st, cfg, B: int, out: str, meta, title: str, tag: str,
-               repeats: int, steps: int = LOOP_STEPS) -> Table:
+               repeats: int, steps: int = LOOP_STEPS, compiles=tuple(LOOP_COMPILES)) -> Table:
     """``decode_topk`` inside a ``lax.scan`` of ``steps`` consecutive steps (what a
     generation loop runs), at each of :data:`LOOP_COMPILES`, beside the certified path alone:
     the same step without its ``lax.cond`` (witnesses, screen, rescoring, selection — the
@@ -208,8 +214,8 @@ def loop_study(inp, k, s, st, cfg, B: int, out: str, meta, title: str, tag: str,
 
     short = lambda g: " -> ".join(x[:48] for x in g.split(" -> "))
     on_gpu = dosa_jax.backend.on_gpu()
-    variants = [(f"decode_topk, {name}", loop(full, o)) for name, o in LOOP_COMPILES
-                if on_gpu or o is None]
+    variants = [(f"decode_topk, {name}", loop(full, o))
+                for name, o in (LOOP_COMPILES[c] for c in compiles) if on_gpu or o is None]
     variants.append(("the certified path and a lax.cond on its predicate whose branches "
                      "do nothing but a fill (the conditional's own cost)", loop(round_trip)))
     variants.append(("the certified path alone: no lax.cond (not exact where a sequence "
@@ -264,7 +270,8 @@ def loop_study(inp, k, s, st, cfg, B: int, out: str, meta, title: str, tag: str,
 
 def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, out: str,
         capacity=None, studies=STUDIES, tag: str = "", only=(), kernels: bool = False,
-        loop_steps: int = LOOP_STEPS):
+        loop_steps: int = LOOP_STEPS, loop_compiles=tuple(LOOP_COMPILES),
+        loop_with_parts: bool = False):
     from dosa_jax import datasets
     from dosa_jax.decode import (best_witnesses, distinct_pool, seeded_witnesses,
                                  select_and_witness, witness_budget)
@@ -514,9 +521,9 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
             step_kernels(step, (qs[3], ws[3], ls[3], k, s, stale), meta, out,
                          tab.title + ", sequence 0 stale", (tag + "_" if tag else "") + "stale",
                          repeats).write()
-    if "loop" in studies and not only:
+    if "loop" in studies and (loop_with_parts or not only):
         loop_study(inp, k, s, st, cfg, B, out, meta, tab.title, tag, repeats,
-                   loop_steps).write()
+                   loop_steps, loop_compiles).write()
     t_step = None
     for name, f, a in chosen(parts, only):
         t = timeit(f, *a, warmup=2, repeats=repeats)
@@ -537,9 +544,10 @@ def main(argv=None) -> int:
     ap.add_argument("--K", type=int, default=2048)
     ap.add_argument("--capacity", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--studies", default=",".join(STUDIES),
+    ap.add_argument("--studies", default=None,
                     help=f"screen variants timed beside the default, of {','.join(STUDIES)} "
-                         "(empty: none)")
+                         "(empty: none; default: all, or none with --parts; named with --parts, "
+                         "the loop study runs beside those parts)")
     ap.add_argument("--tag", default="", help="suffix of the output files' name")
     ap.add_argument("--parts", default="",
                     help="time only these parts, comma-separated (e.g. 'screen' under a "
@@ -549,21 +557,30 @@ def main(argv=None) -> int:
                          "decode_kernels_<tag>)")
     ap.add_argument("--loop-steps", type=int, default=LOOP_STEPS,
                     help="consecutive steps of the loop study's lax.scan")
+    ap.add_argument("--loop-compiles", default=",".join(LOOP_COMPILES),
+                    help=f"the loop study's compiles of decode_topk, of "
+                         f"{','.join(LOOP_COMPILES)}")
     ap.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
     a = ap.parse_args(argv)
     if a.loop_steps < 1:
         ap.error(f"--loop-steps: a count >= 1, got {a.loop_steps}")
-    studies = tuple(x for x in a.studies.split(",") if x)
+    studies = STUDIES if a.studies is None else tuple(x for x in a.studies.split(",") if x)
     unknown = sorted(set(studies) - set(STUDIES))
     if unknown:
         ap.error(f"--studies: unknown {unknown}; choose from {','.join(STUDIES)}")
+    compiles = tuple(x for x in a.loop_compiles.split(",") if x)
+    unknown = sorted(set(compiles) - set(LOOP_COMPILES))
+    if unknown or not compiles:
+        ap.error(f"--loop-compiles: unknown {unknown or 'none named'}; choose from "
+                 f"{','.join(LOOP_COMPILES)}")
     only = tuple(x for x in a.parts.split(",") if x)
     try:
         chosen((), only)
     except ValueError as e:
         ap.error(f"--parts: {e}")
     tab = run(a.domain, a.layer, a.heads, a.N, a.B, a.K, a.repeats, a.out, a.capacity,
-              studies, a.tag, only, a.kernels, a.loop_steps)
+              studies, a.tag, only, a.kernels, a.loop_steps, compiles,
+              loop_with_parts=a.studies is not None)
     tab.write()
     print(tab.markdown())
     return 0

@@ -12,7 +12,10 @@
 # benchmarks.decode.GRAPH_COMPILER_OPTIONS) |
 # decode_parts (one decode step timed by part; PARTS_ARGS adds options, e.g. --B 1 --N 131072) |
 # decode_loop (decode_parts' loop study at B = 1, N = 128K and 1M, and B = 8, N = 1M: the step in a
-# 16-step lax.scan at three compiles and without its lax.cond, where XLA put its conditionals) |
+# 16-step lax.scan at five compiles, beside a do-nothing conditional and no conditional, where the
+# idle time falls) |
+# decode_loop_ab (the loop study in this tree and in AB_TREE, a folder benchmarks/ab_tree.sh
+# builds from another commit, alternating, B = 1 at 128K and B = 8 at 1M) |
 # slack_train | slack_eval (the slack fine-tune in two calls: slack_train writes every λ's
 # weights_lambda_<λ>.npz to $OUT; slack_eval measures the files in SLACK_WEIGHTS, a folder the
 # call carries; SLACK_ARGS adds options, e.g. --lambdas 0,0.2,1,4)
@@ -33,6 +36,9 @@
 set -o pipefail
 OUT=${OUT:-bench_out}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)          # absolute: a stage may run in another folder
+HERE=$(pwd)
+HEAD_COMMIT=${DOSA_COMMIT:-}
 export OUT PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 LOG=$OUT/gpu_log.txt
 stages=${*:-tests headline matrix}
@@ -99,6 +105,27 @@ for s in $stages; do
         read -r nb nk tg <<< "$c"
         run "decode_loop_$tg" "${DECODE_TIMEOUT:-150}" python -m benchmarks.decode_parts \
           --studies loop --B "$nb" --N "$nk" --tag "loop_$tg" --out "$OUT" $PARTS_ARGS
+      done ;;
+    decode_loop_ab)   # the loop study in this tree and in $AB_TREE (benchmarks/ab_tree.sh),
+                      # alternating, at B = 1 (128K) and B = 8 (1M); LOOP_AB_COMPILES (default:
+                      # default); the step part only beside it; tags ab_<shape>_<tree>_<round>
+      [ -d "${AB_TREE:-}" ] || { echo "=== decode_loop_ab: AB_TREE=$AB_TREE is no folder" \
+        | tee -a "$LOG"; status=1; continue; }
+      cp -r dosa_jax/data "$AB_TREE/dosa_jax/" 2>/dev/null
+      for c in "1 131072 b1_128k" "8 1048576 b8_1m"; do
+        read -r nb nk tg <<< "$c"
+        for r in 1 2; do
+          for t in head tree; do
+            dir=$HERE; sha=$HEAD_COMMIT
+            [ $t = tree ] && { dir=$AB_TREE; sha=$(cat "$AB_TREE/COMMIT" 2>/dev/null); }
+            cd "$dir" || { status=1; continue; }
+            run "decode_loop_ab_${tg}_${t}_$r" "${DECODE_TIMEOUT:-150}" \
+              env DOSA_COMMIT="$sha" python -m benchmarks.decode_parts --parts step \
+              --studies loop --loop-compiles "${LOOP_AB_COMPILES:-default}" --B "$nb" \
+              --N "$nk" --tag "ab_${tg}_${t}_$r" --out "$OUT"
+            cd "$HERE"
+          done
+        done
       done ;;
     decode64) run decode64 "${DECODE_TIMEOUT:-580}" python -m benchmarks decode --cases H64 \
       --tag h64 --out "$OUT" ;;

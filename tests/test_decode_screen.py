@@ -294,6 +294,8 @@ def test_decode_parts_benchmark_runs_on_cpu(tmp_path):
         decode_parts.main(["--studies", "mma,nope", "--out", str(tmp_path)])
     with pytest.raises(SystemExit):
         decode_parts.main(["--loop-steps", "0", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        decode_parts.main(["--loop-compiles", "default,nope", "--out", str(tmp_path)])
     assert decode_parts.main(["--N", "2048", "--B", "2", "--K", "32", "--repeats", "1",
                               "--loop-steps", "3", "--tag", "cpu", "--kernels",
                               "--out", str(tmp_path)]) == 0
@@ -341,6 +343,16 @@ def test_decode_parts_benchmark_runs_on_cpu(tmp_path):
     # --parts: only the named parts are timed, no study
     with pytest.raises(SystemExit):
         decode_parts.main(["--parts", "screen,nope", "--out", str(tmp_path)])
+    # --parts with --studies loop (the A/B stage): those parts, and the loop at the named
+    # compiles only
+    assert decode_parts.main(["--N", "1024", "--B", "1", "--K", "16", "--repeats", "1",
+                              "--loop-steps", "2", "--parts", "step", "--studies", "loop",
+                              "--loop-compiles", "default", "--tag", "ab",
+                              "--out", str(tmp_path)]) == 0
+    ab = json.loads((tmp_path / "decode_parts_ab.json").read_text())
+    assert [r["part"] for r in ab["rows"]] == ["step"]
+    ab_loop = json.loads((tmp_path / "decode_loop_ab.json").read_text())
+    assert [r["variant"] for r in ab_loop["rows"]] == [r["variant"] for r in loops["rows"]]
     rows = [(p, None, None) for p in parts]
     assert [r[0] for r in decode_parts.chosen(rows, ("gather", "screen"))] == ["screen", "gather"]
     assert decode_parts.chosen(rows, ()) == rows
