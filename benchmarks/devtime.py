@@ -174,10 +174,13 @@ def device_breakdown(fn, *args, warmup: int = 2, iters: int = 3, top: int = 30):
 
 def command_buffer_report(hlo_text: str) -> dict:
     """Where a compiled program's control flow sits relative to XLA:GPU's command buffers (CUDA
-    graphs), from its optimized HLO (``jit(f).lower(...).compile().as_text()``): XLA outlines
-    the ops it captures into computations named ``command_buffer…`` and calls them; a
-    ``conditional`` or ``while`` outside them runs on the host between graphs (its predicate
-    read back). Returns the number of command-buffer computations, and per op kind
+    graphs), from its optimized HLO (``jit(f).lower(...).compile().as_text()``): an XLA that
+    schedules command buffers on the HLO outlines the ops it captures into computations named
+    ``command_buffer…`` and calls them; a ``conditional`` or ``while`` outside them runs on
+    the host between graphs (its predicate read back). The XLA of jax 0.11 forms command
+    buffers later, from the thunk sequence: its HLO shows none (``command_buffers`` 0), and
+    the kernel trace tells instead (:func:`breakdown`: ``set_case_condition`` is a conditional
+    evaluated in a graph, ``MemcpyD2H`` before a gap a predicate read back). Returns the number of command-buffer computations, and per op kind
     (``conditional``, ``while``) how many there are and how many sit inside a command buffer
     (directly in one, or in a computation only a command buffer reaches)."""
     comps, current = {}, None
