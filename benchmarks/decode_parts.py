@@ -229,14 +229,15 @@ def loop_study(inp, k, s, st, cfg, B: int, out: str, meta, title: str, tag: str,
             tab.notes.append(f"{name}: not compiled ({type(e).__name__}: {str(e)[:160]})")
     variants = compiled
     for name, f in variants:      # where XLA put the loop's control flow
-        r = command_buffer_report(f.as_text())
+        text = f.as_text()
+        r = command_buffer_report(text)
         where = (f"{r['command_buffers']} command-buffer computations, "
                  f"{r['conditional_in_command_buffers']} conditionals and "
                  f"{r['while_in_command_buffers']} while loops inside one"
                  if r["command_buffers"] else
                  "no command-buffer computation (this XLA forms its command buffers after the "
                  "HLO, from the thunk sequence, so the HLO cannot say which ops they hold)")
-        calls = ", ".join(f"{t} {n}" for t, n in custom_call_targets(f.as_text()).items())
+        calls = ", ".join(f"{t} {n}" for t, n in custom_call_targets(text).items())
         tab.notes.append(f"{name}: optimized HLO: conditionals {r['conditional']}, while loops "
                          f"{r['while']}; {where}; custom calls: {calls or 'none'}")
     want = variants[0][1](*args)[1]

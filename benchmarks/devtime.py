@@ -180,9 +180,10 @@ def command_buffer_report(hlo_text: str) -> dict:
     the host between graphs (its predicate read back). The XLA of jax 0.11 forms command
     buffers later, from the thunk sequence: its HLO shows none (``command_buffers`` 0), and
     the kernel trace tells instead (:func:`breakdown`: ``set_case_condition`` is a conditional
-    evaluated in a graph, ``MemcpyD2H`` before a gap a predicate read back). Returns the number of command-buffer computations, and per op kind
-    (``conditional``, ``while``) how many there are and how many sit inside a command buffer
-    (directly in one, or in a computation only a command buffer reaches)."""
+    evaluated in a graph, ``MemcpyD2H`` before a gap a predicate read back). Returns the
+    number of command-buffer computations, and per op kind (``conditional``, ``while``) how
+    many there are and how many sit inside a command buffer (directly in one, or in a
+    computation only a command buffer reaches)."""
     comps, current = {}, None
     for line in hlo_text.splitlines():
         head = line.strip()
