@@ -55,7 +55,7 @@ from dosa_jax.config import Config
 from dosa_jax.inputs import FLOAT_INPUT_DTYPES, FP8_DTYPE
 from dosa_jax.scorer import full_scores_tile
 from dosa_jax.seeds import distinct_visible, seed_at, seed_layout
-from dosa_jax.selection import INT32_MIN, key_to_score, order_key
+from dosa_jax.selection import INT32_MIN, key_to_score, order_key, top_k_in_short_rows
 
 Array = jax.Array
 
@@ -70,6 +70,7 @@ __all__ = ["DecodeState", "DecodeStats", "MAX_QUERIES", "WITNESS_FACTOR", "best_
            "candidate_capacity", "decode_config", "decode_init", "decode_topk_reference",
            "differentiable_scores", "distinct_pool", "fit_witnesses", "key_table", "looked_at",
            "seeded_witnesses", "select_and_witness", "select_with_witnesses", "selected_rows",
+           "sorted_members",
            "witness_budget",
            "witness_threshold"]
 
@@ -332,9 +333,11 @@ def witness_budget(W: int, M: int) -> int:
 def best_witnesses(keys: Array, ids: Array, n: int):
     """(ids, order keys) [M, n] of the ``n`` largest order keys of rows ``keys`` [M, P] (−1 /
     ``INT32_MIN`` where ``INT32_MIN``, and beyond P): the witnesses carried to the next step,
-    with their current keys (what merges them across devices)."""
+    with their current keys (what merges them across devices). One long row is selected in
+    short ones (:func:`dosa_jax.selection.top_k_in_short_rows`: no CUB sort, so a fallback
+    branch holding it can be captured in a CUDA graph)."""
     nn = min(n, keys.shape[1])
-    top_key, top_pos = lax.top_k(keys, nn)
+    top_key, top_pos = top_k_in_short_rows(keys, nn)
     out = jnp.where(top_key == INT32_MIN, -1, jnp.take_along_axis(ids, top_pos, axis=1))
     if nn < n:
         out = jnp.pad(out, ((0, 0), (0, n - nn)), constant_values=-1)
@@ -366,8 +369,8 @@ def distinct_pool(buffer_keys, buffer_ids, witness_keys, witness_ids):
     return jnp.where(first, keys, INT32_MIN), ids
 
 
-def _members(sorted_ids: Array, ids: Array) -> Array:
-    """Whether each of ``ids`` [n] occurs in ``sorted_ids`` [m] (ascending; pads
+def sorted_members(sorted_ids: Array, ids: Array) -> Array:
+    """Whether each of ``ids`` [n] occurs in ``sorted_ids`` [m] (non-decreasing, e.g. pads
     ``INT32_MAX``): a binary search per id, unrolled (one fused pass, no sort)."""
     pos = jnp.searchsorted(sorted_ids, ids, side="left", method="scan_unrolled")
     hit = jnp.take(sorted_ids, jnp.minimum(pos, sorted_ids.shape[0] - 1))
@@ -394,7 +397,7 @@ def select_and_witness(cand_keys: Array, cand_ids: Array, witness_keys: Array,
     """
     imax = jnp.iinfo(jnp.int32).max
     sorted_ids = jnp.where(cand_ids >= 0, cand_ids, imax)
-    member = jax.vmap(_members)(sorted_ids, witness_ids.astype(jnp.int32))
+    member = jax.vmap(sorted_members)(sorted_ids, witness_ids.astype(jnp.int32))
     wk = jnp.where(member | (witness_ids < 0), INT32_MIN, witness_keys)
     keys = jnp.concatenate([cand_keys, wk], axis=1)
     ids = jnp.concatenate([cand_ids, witness_ids.astype(jnp.int32)], axis=1)

@@ -439,6 +439,114 @@ def test_one_selection_gives_the_top_k_and_the_next_witnesses_of_the_sorted_pool
     assert np.all(np.asarray(nid)[:, 0] >= 0)
 
 
+def _top_k_rows(jaxpr):
+    """(batch rows, row length) of every ``top_k`` and ``sort`` in a jaxpr, nested ones too."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("top_k", "sort"):
+            shape = eqn.invars[0].aval.shape
+            out.append((int(np.prod(shape[:-1])), shape[-1]))
+        for v in eqn.params.values():
+            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                sub = getattr(sub, "jaxpr", sub)               # a closed jaxpr's own
+                if hasattr(sub, "eqns"):
+                    out += _top_k_rows(sub)
+    return out
+
+
+@pytest.mark.parametrize("n,k", [(40_001, 2048), (40_001, 1), (65_536, 16_383),
+                                 (20_000, 10_000), (16_385, 9_000), (17_001, 17_001)])
+def test_a_long_row_is_selected_in_short_ones_bitwise(n, k):
+    """``top_k_in_short_rows`` equals ``lax.top_k`` bitwise on one long row of order keys —
+    massive ties, the least and largest int32, an odd length, k of half the row and more, up
+    to all of it — and sorts no single row longer than ``SHORT_ROW``."""
+    from dosa_jax.selection import SHORT_ROW, top_k_in_short_rows
+    rng = np.random.default_rng(n + k)
+    imin, imax = np.iinfo(np.int32).min, np.iinfo(np.int32).max
+    x = rng.integers(-50, 50, n).astype(np.int32) * 1000        # about n / 100 of each key
+    x[rng.choice(n, n // 5, replace=False)] = imin                 # ineligible (NaN) keys
+    x[rng.choice(n, 7, replace=False)] = imax
+    x[-1] = imin                                                   # the last one ties the pad
+    for row in (jnp.asarray(x)[None, :], jnp.asarray(x)):
+        got = jax.jit(top_k_in_short_rows, static_argnums=1)(row, k)
+        ref = jax.lax.top_k(row, k)
+        for g, r in zip(got, ref):
+            assert g.shape == r.shape and g.dtype == r.dtype
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
+        rows = _top_k_rows(jax.make_jaxpr(top_k_in_short_rows, static_argnums=1)(row, k).jaxpr)
+        assert all(b > 1 or m <= SHORT_ROW for b, m in rows), rows
+        assert rows == [(2, -(-n // 2))], rows                     # one cut, no sort after it
+    few = jnp.asarray(x[:SHORT_ROW])[None, :]                      # a short row: lax.top_k
+    assert _top_k_rows(jax.make_jaxpr(top_k_in_short_rows, static_argnums=1)(few, k // 4)
+                       .jaxpr) == [(1, SHORT_ROW)]
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_the_fallback_holds_no_long_one_row_sort(paged):
+    """At B = 1 no ``top_k`` or sort inside the step's ``lax.cond`` branches takes one row of
+    more than ``SHORT_ROW`` keys (XLA:GPU would hand it to CUB, which keeps the conditional
+    out of a CUDA graph): traced at N = 128K, K = 2048, where the overflow selections cover
+    S · K = 131 072 records; and the step holds them (the check looks where they are)."""
+    from dosa_jax.selection import SHORT_ROW
+    B, N, K, page = 1, 1 << 17, 2048, 64
+    cfg = dosa_jax.Config(top_k=K, backend="pallas")
+    sd = jax.ShapeDtypeStruct
+    kshape = (N // page, page, D) if paged else (B, N, D)
+    pt = sd((B, N // page), jnp.int32) if paged else None
+    step = lambda q, k, w, ids, s, n, pt: kd.decode_topk(q, k, w, ids, s, n, pt, cfg,
+                                                         interpret=True)
+    jaxpr = jax.make_jaxpr(step)(sd((B, 1, H, D), jnp.bfloat16), sd(kshape, jnp.float8_e4m3fn),
+                                 sd((B, 1, H), jnp.float32), sd((B, 4 * K), jnp.int32),
+                                 sd(kshape[:-1], jnp.float32), sd((B,), jnp.int32), pt).jaxpr
+    conds = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
+    assert len(conds) == 1
+    inside = [r for br in conds[0].params["branches"] for r in _top_k_rows(br.jaxpr)]
+    assert [r for r in inside if r[0] == 1 and r[1] > SHORT_ROW] == []
+    assert (2, 65536) in inside                      # the records' selection, cut in two
+
+
+@pytest.mark.parametrize("T,S,K,W,n", [(3, 5, 16, 24, 40), (1, 20, 1024, 512, 1000)])
+def test_record_witnesses_are_the_sorted_pools_best(T, S, K, W, n):
+    """The overflow's next witnesses (records found among the witnesses by a binary search in
+    their running maximum) equal ``best_witnesses`` of ``distinct_pool`` (a sort of the pool),
+    bitwise: empty and full splits, full and partly used record slots, witnesses that are
+    records, ties, invalid witnesses; and one query of 20 · 1024 records (the long row cut)."""
+    from dosa_jax.decode import best_witnesses, distinct_pool
+    imin = np.iinfo(np.int32).min
+    rng = np.random.default_rng(S * K)
+    C = K + 8                                                 # slots beyond K are never read
+    rk = rng.integers(-30, 30, (T, S, C)).astype(np.int32) * 1000
+    ri = np.full((T, S, C), -1, np.int32)
+    cnt = rng.integers(0, K + 3, (T, S)).astype(np.int32)     # K + 2: more than the K read
+    cnt[:, 0] = 0
+    cnt[:, -1] = K
+    span = 4 * K
+    for t in range(T):
+        for s in range(S):
+            c = min(cnt[t, s], C)
+            ri[t, s, :c] = np.sort(rng.choice(span, c, replace=False)) + s * span
+    wi = np.full((T, W), -1, np.int32)
+    wk = np.full((T, W), imin, np.int32)
+    for t in range(T):
+        recs = np.concatenate([ri[t, s, :min(cnt[t, s], K)] for s in range(S)])
+        mine = rng.choice(recs, min(W // 2, len(recs)), replace=False)
+        other = np.setdiff1d(np.arange(S * span), recs)
+        ids = np.concatenate([mine, rng.choice(other, W - len(mine), replace=False)])
+        wi[t] = rng.permutation(ids)
+        wk[t] = rng.integers(-30, 30, W) * 1000
+    wi[:, :3], wk[:, :3] = -1, imin                           # repeated or invisible witnesses
+    args = [jnp.asarray(a) for a in (rk, ri, cnt)]
+    got = jax.jit(kd.record_witnesses, static_argnums=(3, 4))(*args, K, n, jnp.asarray(wk),
+                                                               jnp.asarray(wi))
+    valid = np.arange(K)[None, None, :] < np.minimum(cnt, K)[:, :, None]
+    keys = jnp.asarray(np.where(valid, rk[..., :K], imin).reshape(T, S * K))
+    ids = jnp.asarray(np.where(valid, ri[..., :K], -1).reshape(T, S * K))
+    ref = best_witnesses(*distinct_pool(keys, ids, jnp.asarray(wk), jnp.asarray(wi)), n)
+    for g, r in zip(got, ref):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
+    assert np.all(np.asarray(got[0])[:, 0] >= 0)
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_witness_rows_read_in_place_score_as_the_gathered_table(paged):
     """The seed kernel reading each witness's row straight from the key cache
