@@ -14,8 +14,8 @@
 # decode_loop (decode_parts' loop study at B = 1, N = 128K and 1M, and B = 8, N = 1M: the step in a
 # 16-step lax.scan at five compiles, beside a do-nothing conditional and no conditional, where the
 # idle time falls) |
-# decode_loop_ab (the loop study in this tree and in AB_TREE, a folder benchmarks/ab_tree.sh
-# builds from another commit, alternating, B = 1 at 128K and B = 8 at 1M) |
+# decode_loop_ab (the loop study in this tree and in AB_TREE, folders benchmarks/ab_tree.sh
+# builds from other commits, alternating, B = 1 at 128K and B = 8 at 1M) |
 # slack_train | slack_eval (the slack fine-tune in two calls: slack_train writes every λ's
 # weights_lambda_<λ>.npz to $OUT; slack_eval measures the files in SLACK_WEIGHTS, a folder the
 # call carries; SLACK_ARGS adds options, e.g. --lambdas 0,0.2,1,4)
@@ -106,18 +106,23 @@ for s in $stages; do
         run "decode_loop_$tg" "${DECODE_TIMEOUT:-150}" python -m benchmarks.decode_parts \
           --studies loop --B "$nb" --N "$nk" --tag "loop_$tg" --out "$OUT" $PARTS_ARGS
       done ;;
-    decode_loop_ab)   # the loop study in this tree and in $AB_TREE (benchmarks/ab_tree.sh),
-                      # alternating, at B = 1 (128K) and B = 8 (1M); LOOP_AB_COMPILES (default:
+    decode_loop_ab)   # the loop study in this tree and in each folder of $AB_TREE (one or
+                      # more, benchmarks/ab_tree.sh), alternating, at B = 1 (128K) and B = 8
+                      # (1M), LOOP_AB_ROUNDS rounds (default 2); LOOP_AB_COMPILES (default:
                       # default); the step part only beside it; tags ab_<shape>_<tree>_<round>
-      [ -d "${AB_TREE:-}" ] || { echo "=== decode_loop_ab: AB_TREE=$AB_TREE is no folder" \
-        | tee -a "$LOG"; status=1; continue; }
-      cp -r dosa_jax/data "$AB_TREE/dosa_jax/" 2>/dev/null
+      for t in ${AB_TREE:-}; do
+        [ -d "$t" ] || { echo "=== decode_loop_ab: $t (AB_TREE) is no folder" | tee -a "$LOG"
+                         status=1; continue 2; }
+        cp -r dosa_jax/data "$t/dosa_jax/" 2>/dev/null
+      done
+      [ -n "${AB_TREE:-}" ] || { echo "=== decode_loop_ab: no AB_TREE" | tee -a "$LOG"
+                                 status=1; continue; }
       for c in "1 131072 b1_128k" "8 1048576 b8_1m"; do
         read -r nb nk tg <<< "$c"
-        for r in 1 2; do
-          for t in head tree; do
+        for r in $(seq 1 "${LOOP_AB_ROUNDS:-2}"); do
+          for t in head $AB_TREE; do
             dir=$HERE; sha=$HEAD_COMMIT
-            [ $t = tree ] && { dir=$AB_TREE; sha=$(cat "$AB_TREE/COMMIT" 2>/dev/null); }
+            [ $t = head ] || { dir=$t; sha=$(cat "$t/COMMIT" 2>/dev/null); t=$(basename "$t"); }
             cd "$dir" || { status=1; continue; }
             run "decode_loop_ab_${tg}_${t}_$r" "${DECODE_TIMEOUT:-150}" \
               env DOSA_COMMIT="$sha" python -m benchmarks.decode_parts --parts step \
