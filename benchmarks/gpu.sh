@@ -108,8 +108,9 @@ for s in $stages; do
       done ;;
     decode_loop_ab)   # the loop study in this tree and in each folder of $AB_TREE (one or
                       # more, benchmarks/ab_tree.sh), alternating, at B = 1 (128K) and B = 8
-                      # (1M), LOOP_AB_ROUNDS rounds (default 2); LOOP_AB_COMPILES (default:
-                      # default); the step part only beside it; tags ab_<shape>_<tree>_<round>
+                      # (1M) or LOOP_AB_SHAPES ("B N tag;..."), LOOP_AB_ROUNDS rounds (default
+                      # 2); LOOP_AB_COMPILES (default: default); the step part only beside it;
+                      # tags ab_<shape>_<tree>_<round>
       for t in ${AB_TREE:-}; do
         [ -d "$t" ] || { echo "=== decode_loop_ab: $t (AB_TREE) is no folder" | tee -a "$LOG"
                          status=1; continue 2; }
@@ -117,7 +118,8 @@ for s in $stages; do
       done
       [ -n "${AB_TREE:-}" ] || { echo "=== decode_loop_ab: no AB_TREE" | tee -a "$LOG"
                                  status=1; continue; }
-      for c in "1 131072 b1_128k" "8 1048576 b8_1m"; do
+      IFS=';' read -r -a shapes <<< "${LOOP_AB_SHAPES:-1 131072 b1_128k;8 1048576 b8_1m}"
+      for c in "${shapes[@]}"; do
         read -r nb nk tg <<< "$c"
         for r in $(seq 1 "${LOOP_AB_ROUNDS:-2}"); do
           for t in head $AB_TREE; do
