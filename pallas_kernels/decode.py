@@ -403,7 +403,7 @@ def same_records(a, b) -> bool:
                for x, y in ((rka, rkb), (ria, rib)))
 
 
-def gather_records(rk, ri, cnt, K: int, capacity: int, *, branch: bool = True):
+def gather_records(rk, ri, cnt, K: int, capacity: int):
     """Exact Top-K of the splits' records through a buffer of ``capacity`` slots per query.
 
     Each split holds ≤ K records in id order and the splits cover ascending id ranges, so
@@ -429,7 +429,7 @@ def gather_records(rk, ri, cnt, K: int, capacity: int, *, branch: bool = True):
         fi, fs = rec.select_from_records(rk, ri, cnt, K, top_k=top_k_in_short_rows)
         return jnp.where(over[:, None], fi, c[0]), jnp.where(over[:, None], fs, c[1])
 
-    idx, sc = lax.cond(jnp.any(over), fallback, lambda c: c, comp) if branch else fallback(comp)
+    idx, sc = lax.cond(jnp.any(over), fallback, lambda c: c, comp)
     return idx, sc, total, over, (keys, jnp.where(valid, ids, -1))
 
 
@@ -641,7 +641,7 @@ def screens(q, k) -> bool:
 
 
 def exact_step(prep, theta, wk, wids, lengths, B: int, M: int, K: int, cap: int, carry: int,
-                splits, interpret, branch: bool = True):
+                splits, interpret):
     """(indices, scores, candidates, overflow [B·M], next (ids, keys)) by the canonical scan.
 
     The scan fills 4 query slots per sequence; everything after it (the selection buffer,
@@ -651,12 +651,13 @@ def exact_step(prep, theta, wk, wids, lengths, B: int, M: int, K: int, cap: int,
     rm = lambda x: r(x).reshape((B * M,) + x.shape[1:])      # the M real slots only
     rk, ri, cnt, app = (rm(x) for x in scan_records(prep, theta, lengths, M, K, splits=splits,
                                                      interpret=interpret))
-    idx, sc, _, over, (bk, bi) = gather_records(rk, ri, cnt, K, cap, branch=branch)
+    idx, sc, _, over, (bk, bi) = gather_records(rk, ri, cnt, K, cap)
     wit = (rm(wk), rm(wids))     # split buffers end compacted to their Top-K: dedupe by id
     nxt = best_witnesses(*distinct_pool(bk, bi, *wit), carry)
-    overflow = lambda x: tuple(jnp.where(over[:, None], a, b)
-                               for a, b in zip(record_witnesses(rk, ri, cnt, K, carry, *wit), x))
-    nxt = lax.cond(jnp.any(over), overflow, lambda x: x, nxt) if branch else overflow(nxt)
+    nxt = lax.cond(jnp.any(over), lambda x: tuple(
+        jnp.where(over[:, None], a, b)
+        for a, b in zip(record_witnesses(rk, ri, cnt, K, carry, *wit), x)),
+        lambda x: x, nxt)
     merged = jnp.any(app > rk.shape[2] - prep.BK, axis=1)   # a buffer compacted mid-scan
     return idx, sc, jnp.sum(app, axis=1), (over | merged).astype(jnp.int32), nxt
 
@@ -775,7 +776,7 @@ def screened_step(prep, q, w, theta, wk, wids, lengths, B: int, K: int, cap: int
         return jax.tree_util.tree_map(pick, o2, o), need & ~use
 
     def retry(o, need):
-        return second_round((o, need))
+        return lax.cond(jnp.any(second), second_round, lambda c: c, (o, need))
 
     return out, need_exact, retry
 
@@ -826,8 +827,8 @@ def decode_topk(q, k, w, ids, k_scale, lengths, page_table, config, *, tiles: Ti
 
         def fallback(o):     # the second round where it can answer, else the canonical scan
             o, need = retry(o, need_exact)
-            flat = functools.partial(exact_step, prep, theta, wk, wids, branch=False)
-            return exact_rows(flat, need, lengths, tail, o)
+            return lax.cond(jnp.any(need), lambda o: exact_rows(exact, need, lengths, tail, o),
+                            lambda o: o, o)
 
         idx, sc, cand, over, nxt = lax.cond(jnp.any(need_exact), fallback, lambda o: o, out)
     else:
