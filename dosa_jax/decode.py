@@ -24,8 +24,10 @@ code layer-2 indexer, K = 2048: about 3·K candidates at N = 128K, about 17·K a
 distinct visible keys among witnesses and seeds (a sequence shorter than K, a state
 narrower than K) is τ_w = −inf and every visible key a candidate. When more candidates than the buffer holds
 clear τ_w (a topic change makes the witnesses useless), the step falls back to exact
-selection over all scores (``lax.cond``: no value leaves the device program; XLA:GPU reads
-the predicate back itself to choose the branch). Either way the answer is
+selection over all scores (``lax.cond``: no value leaves the device program; XLA:GPU
+captures the Pallas step's conditional in a CUDA graph — no sort in its branch goes to CUB,
+:func:`dosa_jax.selection.top_k_in_short_rows` — and reads this reference's predicate back
+where its branch sorts one long row, at B = 1). Either way the answer is
 ``dense_topk``'s, bitwise: the witnesses change the work, never the answer.
 
     state = dosa_jax.decode_init(batch, config)

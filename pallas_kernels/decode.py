@@ -738,7 +738,7 @@ def screened_step(prep, q, w, theta, wk, wids, lengths, B: int, K: int, cap: int
     ``(outputs, need) -> (outputs, need)``: the second round for the sequences it can
     answer (a ``lax.cond``, taken when any sequence has more candidates than ``cap`` and
     none lost), the rest still needing the exact scan. :func:`decode_topk` calls ``retry``
-    only inside its fallback branch, so a certified step reads back one predicate.
+    only inside its fallback branch, so a certified step evaluates one predicate.
 
     **Second round** (a sequence with more candidates than ``cap``, none lost: no screen
     buffer overflowed, and at most ``second_slots`` of them, default
