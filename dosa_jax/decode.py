@@ -25,9 +25,8 @@ distinct visible keys among witnesses and seeds (a sequence shorter than K, a st
 narrower than K) is τ_w = −inf and every visible key a candidate. When more candidates than the buffer holds
 clear τ_w (a topic change makes the witnesses useless), the step falls back to exact
 selection over all scores (``lax.cond``: no value leaves the device program; XLA:GPU
-captures the Pallas step's conditional in a CUDA graph — no sort in its branch goes to CUB,
-:func:`dosa_jax.selection.top_k_in_short_rows` — and reads this reference's predicate back
-where its branch sorts one long row, at B = 1). Either way the answer is
+captures the conditional in a CUDA graph, or reads its predicate back itself where a branch
+sorts one long row, at B = 1). Either way the answer is
 ``dense_topk``'s, bitwise: the witnesses change the work, never the answer.
 
     state = dosa_jax.decode_init(batch, config)
@@ -57,7 +56,7 @@ from dosa_jax.config import Config
 from dosa_jax.inputs import FLOAT_INPUT_DTYPES, FP8_DTYPE
 from dosa_jax.scorer import full_scores_tile
 from dosa_jax.seeds import distinct_visible, seed_at, seed_layout
-from dosa_jax.selection import INT32_MIN, key_to_score, order_key, top_k_in_short_rows
+from dosa_jax.selection import INT32_MIN, key_to_score, order_key
 
 Array = jax.Array
 
@@ -72,7 +71,6 @@ __all__ = ["DecodeState", "DecodeStats", "MAX_QUERIES", "WITNESS_FACTOR", "best_
            "candidate_capacity", "decode_config", "decode_init", "decode_topk_reference",
            "differentiable_scores", "distinct_pool", "fit_witnesses", "key_table", "looked_at",
            "seeded_witnesses", "select_and_witness", "select_with_witnesses", "selected_rows",
-           "sorted_members",
            "witness_budget",
            "witness_threshold"]
 
@@ -335,11 +333,9 @@ def witness_budget(W: int, M: int) -> int:
 def best_witnesses(keys: Array, ids: Array, n: int):
     """(ids, order keys) [M, n] of the ``n`` largest order keys of rows ``keys`` [M, P] (−1 /
     ``INT32_MIN`` where ``INT32_MIN``, and beyond P): the witnesses carried to the next step,
-    with their current keys (what merges them across devices). One long row is selected in
-    short ones (:func:`dosa_jax.selection.top_k_in_short_rows`: no CUB sort, so a fallback
-    branch holding it can be captured in a CUDA graph)."""
+    with their current keys (what merges them across devices)."""
     nn = min(n, keys.shape[1])
-    top_key, top_pos = top_k_in_short_rows(keys, nn)
+    top_key, top_pos = lax.top_k(keys, nn)
     out = jnp.where(top_key == INT32_MIN, -1, jnp.take_along_axis(ids, top_pos, axis=1))
     if nn < n:
         out = jnp.pad(out, ((0, 0), (0, n - nn)), constant_values=-1)
@@ -371,8 +367,8 @@ def distinct_pool(buffer_keys, buffer_ids, witness_keys, witness_ids):
     return jnp.where(first, keys, INT32_MIN), ids
 
 
-def sorted_members(sorted_ids: Array, ids: Array) -> Array:
-    """Whether each of ``ids`` [n] occurs in ``sorted_ids`` [m] (non-decreasing, e.g. pads
+def _members(sorted_ids: Array, ids: Array) -> Array:
+    """Whether each of ``ids`` [n] occurs in ``sorted_ids`` [m] (ascending; pads
     ``INT32_MAX``): a binary search per id, unrolled (one fused pass, no sort)."""
     pos = jnp.searchsorted(sorted_ids, ids, side="left", method="scan_unrolled")
     hit = jnp.take(sorted_ids, jnp.minimum(pos, sorted_ids.shape[0] - 1))
@@ -399,7 +395,7 @@ def select_and_witness(cand_keys: Array, cand_ids: Array, witness_keys: Array,
     """
     imax = jnp.iinfo(jnp.int32).max
     sorted_ids = jnp.where(cand_ids >= 0, cand_ids, imax)
-    member = jax.vmap(sorted_members)(sorted_ids, witness_ids.astype(jnp.int32))
+    member = jax.vmap(_members)(sorted_ids, witness_ids.astype(jnp.int32))
     wk = jnp.where(member | (witness_ids < 0), INT32_MIN, witness_keys)
     keys = jnp.concatenate([cand_keys, wk], axis=1)
     ids = jnp.concatenate([cand_ids, witness_ids.astype(jnp.int32)], axis=1)

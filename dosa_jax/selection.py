@@ -14,9 +14,6 @@ every real score, including ``-inf``). Integer keys make ties exact and let
 
 from __future__ import annotations
 
-import functools
-import math
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -41,52 +38,6 @@ def key_to_score(key: Array) -> Array:
     return jnp.where(key == INT32_MIN, -jnp.inf, s)
 
 
-#: Longest row :func:`top_k_in_short_rows` sorts as one row (2^14 keys): XLA:GPU hands a
-#: one-row sort of more 32-bit keys (about 22 000 on an H100, 32 768 on an A100) to CUB's
-#: radix sort, a library call that a CUDA graph cannot capture, so a ``lax.cond`` whose
-#: branch holds one runs on the host. Batched rows stay XLA sorts (at up to 26 rows of any
-#: length on both).
-SHORT_ROW = 1 << 14
-
-
-def top_k_in_short_rows(x: Array, k: int):
-    """``lax.top_k(x, k)`` of int32 rows x [..., n] (order keys), bitwise, with no one-row
-    sort of more than :data:`SHORT_ROW` keys (other dtypes: ``lax.top_k`` as it is).
-
-    A single row longer than :data:`SHORT_ROW` is cut into two halves taken as a batch of
-    two rows (an odd row's second half padded with ``INT32_MIN`` after its last key); each
-    half's Top-k' (k' = min(k, half)) is sorted by value descending, position ascending, and
-    the two are merged by rank, sort-free: an element of the first half ranks after the
-    second half's strictly larger values, one of the second half after the first half's
-    values at least as large (ties go to the lower position: the first half's) — binary
-    searches in the other half's sorted values. Every key of the row's Top-k is in its
-    half's Top-k', and the merge is the row's order, so the first k ranks are ``lax.top_k``'s
-    values and positions, bitwise (a pad ranks after every key of the row: it never enters
-    with k ≤ n).
-
-    Returns (values [..., k], positions [..., k] int32), as ``lax.top_k``.
-    """
-    n = x.shape[-1]
-    if math.prod(x.shape[:-1]) != 1 or n <= SHORT_ROW or x.dtype != jnp.int32 or k > n:
-        return lax.top_k(x, k)
-    half = -(-n // 2)
-    kk = min(k, half)
-    xp = jnp.pad(x.reshape(n), (0, 2 * half - n),
-                 constant_values=INT32_MIN).reshape(2, half)
-    val, pos = lax.top_k(xp, kk)                   # [2, k']: one batch of two rows
-    pos = pos.astype(jnp.int32) + jnp.array([[0], [half]], jnp.int32)
-    inv = ~val                                     # ascending rows (no overflow, unlike −x)
-    search = functools.partial(jnp.searchsorted, method="scan_unrolled")
-    at = jnp.arange(kk, dtype=jnp.int32)
-    rank = jnp.stack([at + search(inv[1], inv[0], side="left").astype(jnp.int32),
-                      at + search(inv[0], inv[1], side="right").astype(jnp.int32)])
-    rank = jnp.where(rank < k, rank, k).reshape(-1)          # a permutation of [0, 2k')
-    out_val = jnp.zeros((k,), jnp.int32).at[rank].set(val.reshape(-1), mode="drop")
-    out_pos = jnp.zeros((k,), jnp.int32).at[rank].set(pos.reshape(-1), mode="drop")
-    lead = x.shape[:-1]
-    return out_val.reshape(lead + (k,)), out_pos.reshape(lead + (k,))
-
-
 def _decode(top_key, top_id, k: int):
     """(indices, scores) from selected order keys and ids, padded to k with -1 / -inf."""
     idx = jnp.where(top_key == INT32_MIN, -1, top_id)
@@ -99,14 +50,13 @@ def _decode(top_key, top_id, k: int):
     return idx, out_s
 
 
-def select_by_position(scores: Array, k: int, valid=None, *, top_k=lax.top_k):
+def select_by_position(scores: Array, k: int, valid=None):
     """Exact Top-k of rows where the key index is the column position.
 
     Args:
       scores: [..., M] float32.
       k: static number to select (k may exceed M: extra slots are pads).
       valid: optional [..., M] bool; invalid columns are not eligible.
-      top_k: ``lax.top_k`` or a function returning the same (:func:`top_k_in_short_rows`).
     Returns:
       (indices int32 [..., k], scores float32 [..., k]) in contract order.
     """
@@ -115,7 +65,7 @@ def select_by_position(scores: Array, k: int, valid=None, *, top_k=lax.top_k):
     if valid is not None:
         key = jnp.where(valid, key, INT32_MIN)
     kk = min(k, M)
-    top_key, top_pos = top_k(key, kk)  # stable: equal keys keep position order
+    top_key, top_pos = lax.top_k(key, kk)  # stable: equal keys keep position order
     return _decode(top_key, top_pos.astype(jnp.int32), k)
 
 

@@ -53,10 +53,10 @@ from jax.experimental import pallas as pl
 
 from dosa_jax.decode import (WITNESS_FACTOR, DecodeStats, best_witnesses, candidate_capacity,
                              distinct_pool, select_and_witness, select_with_witnesses,
-                             sequence_keys, sorted_members, witness_budget)
+                             sequence_keys, witness_budget)
 from dosa_jax import numerics as nm
 from dosa_jax.seeds import distinct_visible
-from dosa_jax.selection import INT32_MIN, key_to_score, top_k_in_short_rows
+from dosa_jax.selection import INT32_MIN, key_to_score
 from dosa_jax.tiling import round_up_to
 from pallas_kernels import numerics
 from pallas_kernels import records as rec
@@ -409,9 +409,7 @@ def gather_records(rk, ri, cnt, K: int, capacity: int):
     Each split holds ≤ K records in id order and the splits cover ascending id ranges, so
     the records laid end to end are in id order; ``lax.top_k`` of that buffer (stable) is
     the Top-K in tie order. Queries with more records than ``capacity`` are selected over
-    all records (:func:`pallas_kernels.records.select_from_records`; ``lax.cond``), one
-    long row in short ones (:func:`dosa_jax.selection.top_k_in_short_rows`: no CUB sort in
-    the branch).
+    all records (:func:`pallas_kernels.records.select_from_records`; ``lax.cond``).
 
     Returns (indices [T, K], scores [T, K], records [T], overflow [T] bool,
     (buffer keys, buffer ids) [T, capacity]).
@@ -426,7 +424,7 @@ def gather_records(rk, ri, cnt, K: int, capacity: int):
     over = total > capacity
 
     def fallback(c):
-        fi, fs = rec.select_from_records(rk, ri, cnt, K, top_k=top_k_in_short_rows)
+        fi, fs = rec.select_from_records(rk, ri, cnt, K)
         return jnp.where(over[:, None], fi, c[0]), jnp.where(over[:, None], fs, c[1])
 
     idx, sc = lax.cond(jnp.any(over), fallback, lambda c: c, comp)
@@ -436,22 +434,12 @@ def gather_records(rk, ri, cnt, K: int, capacity: int):
 def record_witnesses(rk, ri, cnt, K: int, n: int, wk, wids):
     """The ``n`` best of each query's records (all splits) and witnesses, each id once
     (:func:`dosa_jax.decode.best_witnesses`: ids and order keys): the next step's witnesses
-    of a query whose records overflowed the selection buffer.
-
-    The witnesses (``wk`` / ``wids`` [T, W]: ``INT32_MIN`` / −1 for repeated or invisible
-    ones) that are records are left out by a binary search, not a sort of the pool: the
-    records laid end to end are in ascending id order, and their running maximum (a pad
-    carries the id before it) is a non-decreasing row in which a witness id is found
-    exactly when it is recorded — :func:`dosa_jax.decode.distinct_pool`'s pool, sort-free."""
+    of a query whose records overflowed the selection buffer."""
     T, S, _ = rk.shape
     valid = jnp.arange(K, dtype=jnp.int32)[None, None, :] < jnp.minimum(cnt, K)[:, :, None]
     keys = jnp.where(valid, rk[..., :K], INT32_MIN).reshape(T, S * K)
     ids = jnp.where(valid, ri[..., :K], -1).reshape(T, S * K)
-    wids = wids.astype(jnp.int32)
-    recorded = jax.vmap(sorted_members)(lax.cummax(ids, axis=1), wids)
-    wk = jnp.where(recorded | (wids < 0), INT32_MIN, wk)
-    return best_witnesses(jnp.concatenate([keys, wk], axis=1),
-                          jnp.concatenate([ids, wids], axis=1), n)
+    return best_witnesses(*distinct_pool(keys, ids, wk, wids), n)
 
 
 def workspace_bytes(B: int, K: int, W: int, D: int, *, capacity=None, splits: int,

@@ -312,8 +312,7 @@ def scan_tiles(start, stop, tile_fn, theta0, key_ref, id_ref, base, K: int, *, C
 
 # ---------------------------------------------------------------- jnp side
 
-def select_from_records(rec_key: Array, rec_id: Array, count: Array, k: int, *,
-                        top_k=lax.top_k):
+def select_from_records(rec_key: Array, rec_id: Array, count: Array, k: int):
     """Exact Top-k of per-query record buffers.
 
     Args:
@@ -321,7 +320,6 @@ def select_from_records(rec_key: Array, rec_id: Array, count: Array, k: int, *,
         order, splits in ascending id ranges, so slot position order is id order).
       count: [T, S] valid records per split, at most k (:func:`scan_tiles` ends with a
         compaction to k): only the first k slots of each split are read.
-      top_k: as :func:`dosa_jax.selection.select_by_position`'s.
     Returns:
       (indices [T, k] int32, scores [T, k] float32) in contract order.
     """
@@ -329,7 +327,7 @@ def select_from_records(rec_key: Array, rec_id: Array, count: Array, k: int, *,
     T, S, C = rec_key.shape
     valid = jnp.arange(C, dtype=jnp.int32)[None, None, :] < count[:, :, None]
     scores = key_to_score(jnp.where(valid, rec_key, INT32_MIN)).reshape(T, S * C)
-    pos, sc = select_by_position(scores, k, valid.reshape(T, S * C), top_k=top_k)
+    pos, sc = select_by_position(scores, k, valid.reshape(T, S * C))
     idx = jnp.where(pos >= 0, jnp.take_along_axis(rec_id.reshape(T, S * C),
                                                   jnp.maximum(pos, 0), axis=1), -1)
     return idx.astype(jnp.int32), sc
