@@ -1,7 +1,7 @@
 #!/bin/bash
 # A second tree for a same-run A/B on the GPU machine (whose copy of the repository may have
 # no git history): the library (dosa_jax, pallas_kernels) at COMMIT, without its data
-# (gpu.sh copies the working tree's), and the working tree's benchmarks, in DIR.
+# (gpu.sh links the working tree's), and the working tree's benchmarks, in DIR.
 #
 #   bash benchmarks/ab_tree.sh COMMIT [DIR]        (DIR default: abtree)
 #

@@ -224,7 +224,8 @@ def command_buffer_report(hlo_text: str) -> dict:
 
 def custom_call_targets(hlo_text: str) -> dict:
     """How many custom calls of each target an optimized HLO holds (e.g. a CUB radix sort,
-    ``__cub$DeviceRadixSort``, which XLA:GPU may not capture into a command buffer)."""
+    ``xla.gpu.ext.cub_sort_pairs`` in jax 0.11's XLA:GPU, which a command buffer cannot
+    capture)."""
     out = {}
     for line in hlo_text.splitlines():
         i = line.find('custom_call_target="')

@@ -114,7 +114,7 @@ for s in $stages; do
       for t in ${AB_TREE:-}; do
         [ -d "$t" ] || { echo "=== decode_loop_ab: $t (AB_TREE) is no folder" | tee -a "$LOG"
                          status=1; continue 2; }
-        cp -r dosa_jax/data "$t/dosa_jax/" 2>/dev/null
+        ln -sfn "$HERE/dosa_jax/data" "$t/dosa_jax/data"   # the working tree's data, not a copy
       done
       [ -n "${AB_TREE:-}" ] || { echo "=== decode_loop_ab: no AB_TREE" | tee -a "$LOG"
                                  status=1; continue; }
