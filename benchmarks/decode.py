@@ -311,7 +311,7 @@ def one_row(tab, p: Preset, case: Case, inp, B: int, paged: bool, copy_gbs: floa
                           repeats=repeats)
         row.update(screen_ms=t_screen.seconds * 1e3, screen_gbs=nbytes / t_screen.seconds / 1e9)
         row["bandwidth_share"] = row["screen_gbs"] / copy_gbs
-    bk_screen = kd.scan_tile(N if not paged else PAGE, kd.SCREEN_KEY_TILE)
+    bk_screen = kd.scan_tile(N if not paged else PAGE, kd.screen_key_tile(case.H))
     s_splits, s_slots = kd.screen_layout(B, N // bk_screen, K, bk_screen)
     ws_b = kd.workspace_bytes(B, K, state0.ids.shape[1], D,
                               splits=kd.default_splits(B, N // kd.KEY_TILE),

@@ -37,7 +37,9 @@ of ``--repeats`` calls after warm-up):
 * ``screen bf16 MMA, canonical pieces``: the screen multiplying the canonical bf16 query
   pieces (``screen_records(mma="bf16")``) instead of the float16 scaled rows;
 * ``screen BK=… warps=… stages=…``: the screen at other tiles, Triton warps and pipeline
-  stages (the default: ``SCREEN_KEY_TILE`` and the scan's ``Tiles``);
+  stages (the default: ``screen_key_tile`` and ``SCREEN_WARPS``, ``SCREEN_STAGES``); the
+  ``warps`` study's grid, or the settings ``--screen-configs`` names (timed also with
+  ``--parts``, with their records per query);
 * ``overflow update``: the same from all records (``record_witnesses``, the overflow path);
 * ``records select``: the exact selection over all records of the real slots (the overflow
   fallback alone);
@@ -89,7 +91,7 @@ import numpy as np
 from jax import lax
 
 import dosa_jax
-from benchmarks.decode import batch_streams, caches
+from benchmarks.decode import batch_streams, caches, copy_bandwidth
 from benchmarks.devtime import (breakdown_rows, command_buffer_report, custom_call_targets,
                                device_breakdown, timeit)
 from benchmarks.report import Table, log, run_meta
@@ -272,7 +274,7 @@ def loop_study(inp, k, s, st, cfg, B: int, out: str, meta, title: str, tag: str,
 def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, out: str,
         capacity=None, studies=STUDIES, tag: str = "", only=(), kernels: bool = False,
         loop_steps: int = LOOP_STEPS, loop_compiles=tuple(LOOP_COMPILES),
-        loop_with_parts: bool = False):
+        loop_with_parts: bool = False, screen_configs=()):
     from dosa_jax import datasets
     from dosa_jax.decode import (best_witnesses, distinct_pool, seeded_witnesses,
                                  select_and_witness, witness_budget)
@@ -379,7 +381,13 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
                 variants.append((f"screen BK={tile} warps={warps} stages={stages}",
                                  screen_variant(key_tile=tile, warps=warps, stages=stages),
                                  screen_args))
-    screen_tile = kd.scan_tile(N, kd.SCREEN_KEY_TILE)
+    configured = []   # --screen-configs: timed with --parts too
+    for tile, warps, stages in screen_configs:
+        f = screen_variant(key_tile=tile, warps=warps, stages=stages)
+        recorded = float(jnp.mean(jnp.sum(f(*screen_args)[2], axis=1)))
+        configured.append((f"screen BK={tile} warps={warps} stages={stages} ({recorded:.0f} "
+                           "recorded/query)", f, screen_args))
+    screen_tile = kd.scan_tile(N, kd.screen_key_tile(H))
     same_select = all(bool(jnp.array_equal(x, y)) for x, y in zip(
         jax.tree.leaves(f_select(ck, cids, wk, wids)),
         jax.tree.leaves(f_select_sorted(ck, cids, wk, wids))))
@@ -501,7 +509,9 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
     meta["command"] = "python -m benchmarks.decode_parts " + " ".join(sys.argv[1:])
     tab = Table("decode_parts" + (f"_{tag}" if tag else ""), f"Decode step by part: {domain} {layer} H={H}, N={N}, B={B}, "
                 f"K={K}, capacity {cap}", [("part", "part"), ("ms", "ms"),
-                                            ("share", "of the step"), ("clock", "clock")],
+                                            ("share", "of the step"),
+                                            ("copy", "screen/copy bandwidth"),
+                                            ("clock", "clock")],
                 out, meta, notes=[
                     f"median of {repeats} calls after 2 warm-up, each part jitted alone",
                     "candidates/query: "
@@ -526,11 +536,18 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
         loop_study(inp, k, s, st, cfg, B, out, meta, tab.title, tag, repeats,
                    loop_steps, loop_compiles).write()
     t_step = None
-    for name, f, a in chosen(parts, only):
+    copy_gbs = copy_bandwidth(1 << 31 if jax.default_backend() == "gpu" else 1 << 24)
+    tab.notes.append(f"copy bandwidth of the run {copy_gbs:.0f} GB/s; screen/copy bandwidth: "
+                     "the screen's key payload and scale bytes, B·N·(D + 4), per second over it")
+    screen_bytes = B * N * (k.shape[-1] * k.dtype.itemsize + 4)
+    for name, f, a in chosen(parts, only) + configured:
         t = timeit(f, *a, warmup=2, repeats=repeats)
         t_step = t.seconds if name == "step" else t_step
+        is_screen = name == "screen" or name.startswith("screen ")
         tab.add(dict(part=name, ms=t.seconds * 1e3,
-                     share=None if t_step is None else t.seconds / t_step, clock=t.clock))
+                     share=None if t_step is None else t.seconds / t_step,
+                     copy=screen_bytes / t.seconds / 1e9 / copy_gbs if is_screen else None,
+                     clock=t.clock))
         log(f"[decode_parts] {name}: {t.seconds * 1e3:.3f} ms")
     return tab
 
@@ -561,6 +578,9 @@ def main(argv=None) -> int:
     ap.add_argument("--loop-compiles", default=",".join(LOOP_COMPILES),
                     help=f"the loop study's compiles of decode_topk, of "
                          f"{','.join(LOOP_COMPILES)}")
+    ap.add_argument("--screen-configs", default="",
+                    help="screen settings timed beside the default (also with --parts), "
+                         "comma-separated BK:warps:stages, e.g. 128:2:2,64:2:3")
     ap.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
     a = ap.parse_args(argv)
     if a.loop_steps < 1:
@@ -574,6 +594,14 @@ def main(argv=None) -> int:
     if unknown or not compiles:
         ap.error(f"--loop-compiles: unknown {unknown or 'none named'}; choose from "
                  f"{','.join(LOOP_COMPILES)}")
+    try:
+        configs = tuple(tuple(int(v) for v in c.split(":")) for c in a.screen_configs.split(",")
+                        if c)
+        if any(len(c) != 3 or min(c) < 1 for c in configs):
+            raise ValueError
+    except ValueError:
+        ap.error(f"--screen-configs: BK:warps:stages triples of positive integers, got "
+                 f"{a.screen_configs!r}")
     only = tuple(x for x in a.parts.split(",") if x)
     try:
         chosen((), only)
@@ -581,7 +609,7 @@ def main(argv=None) -> int:
         ap.error(f"--parts: {e}")
     tab = run(a.domain, a.layer, a.heads, a.N, a.B, a.K, a.repeats, a.out, a.capacity,
               studies, a.tag, only, a.kernels, a.loop_steps, compiles,
-              loop_with_parts=a.studies is not None)
+              loop_with_parts=a.studies is not None, screen_configs=configs)
     tab.write()
     print(tab.markdown())
     return 0

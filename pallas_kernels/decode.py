@@ -76,8 +76,18 @@ SLOTS = 4
 #: Keys per scan tile (at most; a page smaller than this sets the tile): the dense kernel's tuned
 #: 64 (128 keys × 4·H float32 accumulator columns are 256 registers per thread at H = 64).
 KEY_TILE = 64
-#: Keys per screen tile (one query slot: a [BK, 32] accumulator at H = 32).
-SCREEN_KEY_TILE = 64
+#: The screen's Triton warps and pipeline stages: two warps, fewer than a warpgroup, so Triton
+#: multiplies with ``mma.sync`` from registers, the query tile loaded into registers once;
+#: with four, its ``wgmma`` reads the query tile from shared memory, which the compiled loop
+#: stores there again (with a fence and a barrier) before every key tile.
+SCREEN_WARPS = 2
+SCREEN_STAGES = 2
+
+
+def screen_key_tile(H: int) -> int:
+    """Keys per screen tile at H heads (one query slot: a [BK, H] float32 accumulator over
+    :data:`SCREEN_WARPS` warps, 64 registers a thread at 128 keys and H = 32)."""
+    return 128 if H <= 32 else 64
 #: Programs wanted per step (≈ 4 per SM of an H200's 132) when choosing the key splits.
 PROGRAMS = 528
 #: The screen's programs wanted per step and its most splits per sequence: its buffers hold
@@ -549,16 +559,18 @@ def witness_threshold(prep: Prepared, ids, lengths, M: int, K: int, *, interpret
 
 
 def screen_records(prep: Prepared, q, w, theta, lengths, K: int, *, splits=None,
-                   interpret=None, key_tile: int = SCREEN_KEY_TILE, norm="auto",
-                   warps: int = 0, stages: int = 0, fp8_mma: bool = False, mma="auto",
+                   interpret=None, key_tile=None, norm="auto",
+                   warps: int = SCREEN_WARPS, stages: int = SCREEN_STAGES,
+                   fp8_mma: bool = False, mma="auto",
                    ahead: bool = True):
     """The screen (one query slot per sequence, M = 1): record buffers of the keys whose upper
     bound clears ``theta`` [B] (order keys of the bounds and ids [B, S, C]; counts ≤ C and
     appended [B, S]; appended > C: that buffer overflowed). The upper bounds are ≥ the
     canonical scores, so every key whose canonical score clears ``theta`` is recorded unless
-    a buffer overflowed. ``warps``, ``stages``: the kernel's Triton warps and pipeline stages
-    (0: the scan's, ``prep.tiles``); the bound holds for any (its margin covers any scorer's
-    summation order). ``ahead``: the key scales read a tile ahead, the weights once
+    a buffer overflowed. ``key_tile`` (None: :func:`screen_key_tile`), ``warps``, ``stages``:
+    the kernel's keys per tile, Triton warps and pipeline stages (defaults
+    :data:`SCREEN_WARPS`, :data:`SCREEN_STAGES`; 0: the scan's, ``prep.tiles``); the bound
+    holds for any (its margin covers any scorer's MMA and summation order). ``ahead``: the key scales read a tile ahead, the weights once
     (:func:`decode_scan`; False, a timing study: each tile's scales read in that tile —
     the same records).
 
@@ -579,7 +591,7 @@ def screen_records(prep: Prepared, q, w, theta, lengths, K: int, *, splits=None,
     if interpret is None:
         interpret = interpret_default()
     B = prep.page_table.shape[0]
-    BK = scan_tile(prep.page, key_tile)
+    BK = scan_tile(prep.page, key_tile or screen_key_tile(q.shape[2]))
     S, C = screen_layout(B, prep.page * prep.page_table.shape[1] // BK, K, BK, splits)
     nb = payload_norm_bound(prep.kp.dtype, prep.kp.shape[2]) if norm == "auto" else norm
     if mma not in ("auto", "bf16"):
@@ -852,7 +864,7 @@ def decode_topk_reference(q, k, w, ids, k_scale, lengths, page_table, config):
 __all__ = ["KEY_TILE", "Prepared", "SLOTS", "decode_scan", "decode_topk", "decode_topk_reference",
            "default_splits", "gather_candidates", "gather_records", "key_layout", "key_norm_upper",
            "key_rows", "max_screen_splits", "prepare", "record_witnesses", "scan_records",
-           "scan_tile", "screen_layout",
+           "scan_tile", "screen_key_tile", "screen_layout",
            "SECOND_ROUND_SLOTS", "bound_threshold", "compact_records", "exact_rows", "exact_step",
            "records_at_least",
            "rescored_selection", "screen_margin_coefficient", "screen_records", "screen_upper",

@@ -528,7 +528,8 @@ def test_workspace_is_what_the_kernels_allocate_and_does_not_grow_with_n():
         sizes.append(rk.nbytes + ri.nbytes + cnt.nbytes + app.nbytes)
         srk, sri, scnt, sapp = kd.screen_records(prep, q[:, None], w[:, None], theta[::kd.SLOTS],
                                                  jnp.array([N, N // 2]), K, interpret=True)
-        S, C = kd.screen_layout(B, N // kd.SCREEN_KEY_TILE, K, kd.SCREEN_KEY_TILE)
+        bk = kd.scan_tile(N, kd.screen_key_tile(H))
+        S, C = kd.screen_layout(B, N // bk, K, bk)
         assert srk.shape == (B, S, C)
         assert srk.nbytes + sri.nbytes + scnt.nbytes + sapp.nbytes == kd.workspace_bytes(
             B, K, K, D, splits=2, screen_splits=S, screen_slots=C)["screen"]
