@@ -137,8 +137,8 @@ def test_gpu_compiled_screen_bound_holds_on_every_key():
 def test_screen_reading_scales_ahead_records_what_each_tile_reads(paged):
     """The screen reading each tile's key scales a tile ahead (and the weights once; the
     default): the same records, counts and appended numbers, bitwise, as reading them in
-    each tile — with
-    splits holding no visible key, an empty sequence and a split of one tile."""
+    each tile — with splits of several tiles, splits holding no visible key, an empty
+    sequence and a split of one tile, at 8 and 2 splits."""
     rng = np.random.default_rng(11)
     B, N = 3, 512
     q, k, s, w = _problem(rng, B, N, "fp8", jnp.bfloat16)
@@ -147,11 +147,12 @@ def test_screen_reading_scales_ahead_records_what_each_tile_reads(paged):
     kp, sp, pt = (k, s, None) if not paged else _paged(k, s, 64, rng)
     prep = kd.prepare(q, w, kp, sp, pt)
     theta = jnp.full((B,), kd.THETA_NONE, jnp.int32)
-    got = [kd.screen_records(prep, q, w, theta, lengths, N, splits=8, interpret=True,
-                             ahead=ahead) for ahead in (True, False)]
-    assert kd.same_records(*got)
-    cnt = np.asarray(got[0][2])
-    assert cnt[0].sum() == N and cnt[1].sum() == 0 and cnt[2].sum() == 70
+    for splits in (8, 2):    # 128-key tiles: one tile a split, then two
+        got = [kd.screen_records(prep, q, w, theta, lengths, N, splits=splits, interpret=True,
+                                 ahead=ahead) for ahead in (True, False)]
+        assert kd.same_records(*got)
+        cnt = np.asarray(got[0][2])
+        assert cnt[0].sum() == N and cnt[1].sum() == 0 and cnt[2].sum() == 70
 
 
 def test_same_records_compares_what_was_recorded():
@@ -200,32 +201,38 @@ def test_gpu_compiled_screen_reading_scales_ahead_records_the_same():
 
 def _steps(q0, k, s, w, lengths, K, steps, rng, change=None, page=None):
     """Consecutive screened and canonical steps from the same witnesses; both against
-    dense_topk. Returns how often the screen certified the step."""
+    dense_topk. Returns how often the screen certified the step. Each step is one program
+    (the same shapes every step: compiled once)."""
     B = k.shape[0]
     cfg = dosa_jax.Config(top_k=K, capacity=3 * K)
     ids = jnp.full((B, 4 * K), -1, jnp.int32)
     kp, sp, pt = (k, s, None) if page is None else _paged(k, s, page, rng)
+
+    @jax.jit
+    def step(qt, ids, lengths, k, s, w, kp, sp, pt):
+        a = kd.decode_topk(qt, kp, w, ids, sp, lengths, pt, cfg, interpret=True, splits=2,
+                           screen=True)
+        e = kd.decode_topk(qt, kp, w, ids, sp, lengths, pt, cfg, interpret=True, splits=2,
+                           screen=False)
+        dense = _dense_per_sequence(qt, k, w, s, lengths, cfg.replace(backend="pallas"))
+        prep = kd.prepare(qt, w, kp, sp, pt)
+        theta, _, wk, wids = kd.witness_threshold(prep, ids, lengths, 1, K, interpret=True)
+        out, need_exact, retry = kd.screened_step(prep, qt, w, theta, wk, wids, lengths, B, K,
+                                                  kd.candidate_capacity(cfg), 4 * K, 2, True)
+        return a, e, dense, retry(out, need_exact)[1]
+
     certified = 0
     q = q0
     for t in range(steps):
         q = (rng.normal(size=q.shape) if t == change else q) + 0.05 * rng.normal(size=q.shape)
         qt = jnp.asarray(q, jnp.bfloat16)
-        a = kd.decode_topk(qt, kp, w, ids, sp, lengths, pt, cfg, interpret=True, splits=2,
-                           screen=True)
-        e = kd.decode_topk(qt, kp, w, ids, sp, lengths, pt, cfg, interpret=True, splits=2,
-                           screen=False)
-        di, ds = _dense_per_sequence(qt, k, w, s, lengths, cfg.replace(backend="pallas"))
+        a, e, (di, ds), need_exact = step(qt, ids, lengths, k, s, w, kp, sp, pt)
         for x, y in ((a[0], e[0]), (a[0], di)):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
         np.testing.assert_array_equal(_bits(a[1]), _bits(ds))
         np.testing.assert_array_equal(_bits(a[1]), _bits(e[1]))
         # the canonical scan counts keys above its running threshold (raised by compactions)
         assert (np.asarray(a[2].candidates) >= np.asarray(e[2].candidates)).all()
-        prep = kd.prepare(qt, w, kp, sp, pt)
-        theta, _, wk, wids = kd.witness_threshold(prep, ids, lengths, 1, K, interpret=True)
-        out, need_exact, retry = kd.screened_step(prep, qt, w, theta, wk, wids, lengths, B, K,
-                                                  kd.candidate_capacity(cfg), 4 * K, 2, True)
-        _, need_exact = retry(out, need_exact)
         certified += int(not bool(jnp.any(need_exact)))
         ids = a[3].reshape(B, -1)
         lengths = lengths + 1
@@ -259,16 +266,20 @@ def test_adversarial_inputs_screened_or_not_equal_dense():
     q = q.at[2, 0, 1, 3].set(jnp.inf)
     w = jnp.asarray(rng.normal(size=(B, 1, H)), jnp.float32).at[3].set(-1.0)
     cfg = dosa_jax.Config(top_k=K, capacity=3 * K)
+    # one program per key dtype, each called with both sets of lengths
+    dense = jax.jit(lambda kk, ss, lengths, q, w: _dense_per_sequence(
+        q, kk, w, ss, lengths, cfg.replace(backend="pallas")))
+    step = jax.jit(lambda kk, ss, ids, lengths, q, w: kd.decode_topk(
+        q, kk, w, ids, ss, lengths, None, cfg, interpret=True, splits=2))
     for lengths in (jnp.array([256, 200, 256, 150], jnp.int32),
                     jnp.array([0, 5, 16, 256], jnp.int32)):
-        di, ds = _dense_per_sequence(q, k, w, s, lengths, cfg.replace(backend="pallas"))
+        di, ds = dense(k, s, lengths, q, w)
         ids = jnp.asarray(np.asarray(di[:, 0]), jnp.int32)      # witnesses: last answer
         ids = jnp.concatenate([ids, jnp.full((B, 3 * K), -1, jnp.int32)], axis=1)
         for kk, ss in ((k, s), (k.astype(jnp.bfloat16), None)):
             if ss is None:
-                di, ds = _dense_per_sequence(q, kk, w, None, lengths, cfg.replace(
-                    backend="pallas"))
-            a = kd.decode_topk(q, kk, w, ids, ss, lengths, None, cfg, interpret=True, splits=2)
+                di, ds = dense(kk, None, lengths, q, w)
+            a = step(kk, ss, ids, lengths, q, w)
             np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(di))
             np.testing.assert_array_equal(_bits(a[1]), _bits(ds))
     assert 7 not in np.asarray(a[0][1])
@@ -298,14 +309,19 @@ def test_decode_parts_benchmark_runs_on_cpu(tmp_path, monkeypatch):
         decode_parts.main(["--loop-compiles", "default,nope", "--out", str(tmp_path)])
     assert decode_parts.main(["--N", "2048", "--B", "2", "--K", "32", "--repeats", "1",
                               "--loop-steps", "3", "--tag", "cpu", "--kernels",
-                              "--out", str(tmp_path)]) == 0
+                              "--screen-configs", "64:4:3", "--out", str(tmp_path)]) == 0
     saved = json.loads((tmp_path / "decode_parts_cpu.json").read_text())
     listed = json.loads((tmp_path / "decode_kernels_cpu.json").read_text())
     assert listed["rows"] == [] and any("no GPU activity" in n for n in listed["notes"])
     parts = [r["part"] for r in saved["rows"]]
     assert parts[:4] == ["step", "witness", "screen", "screened"]
     assert sum(p.startswith("screen BK=") and "warps=" not in p for p in parts) == 6
-    assert sum(p.startswith("screen BK=") and "warps=" in p for p in parts) == 12
+    assert sum(p.startswith("screen BK=") and "warps=" in p for p in parts) == 13
+    assert parts[-1].startswith("screen BK=64 warps=4 stages=3 (")   # --screen-configs
+    share = {r["part"]: r["copy"] for r in saved["rows"]}
+    assert share["step"] is None and share["screened"] is None
+    assert all(share[p] > 0 for p in parts if p == "screen" or p.startswith("screen "))
+    assert any(n.startswith("copy bandwidth of the run ") for n in saved["notes"])
     assert {"screened select", "screened select, sorted pool", "screen splits=16"} <= set(parts)
     assert sum(p.startswith("screen fp8 x fp8 MMA, not certified") for p in parts) == 1
     assert sum(p.startswith("screen bf16 MMA, canonical pieces") for p in parts) == 1
@@ -358,9 +374,16 @@ def test_decode_parts_benchmark_runs_on_cpu(tmp_path, monkeypatch):
     decode_parts.main(["--parts", "step", "--studies", "loop", "--loop-compiles",
                        "default,no_cub", "--out", str(tmp_path)])
     decode_parts.main(["--parts", "step", "--out", str(tmp_path)])
-    (a1, k1), (a2, k2) = calls
+    decode_parts.main(["--parts", "screen", "--screen-configs", "128:2:2,64:4:3", "--out",
+                       str(tmp_path)])
+    for bad in ("128:2", "128:0:2", "a:b:c"):
+        with pytest.raises(SystemExit):
+            decode_parts.main(["--screen-configs", bad, "--out", str(tmp_path)])
+    (a1, k1), (a2, k2), (_, k3) = calls
     assert a1[9:11] == (("loop",), "") and a1[11] == ("step",) and a1[14] == ("default", "no_cub")
-    assert k1 == dict(loop_with_parts=True) and k2 == dict(loop_with_parts=False)
+    assert k1 == dict(loop_with_parts=True, screen_configs=())
+    assert k2 == dict(loop_with_parts=False, screen_configs=())
+    assert k3 == dict(loop_with_parts=False, screen_configs=((128, 2, 2), (64, 4, 3)))
     assert a2[9] == decode_parts.STUDIES and a2[14] == tuple(decode_parts.LOOP_COMPILES)
     rows = [(p, None, None) for p in parts]
     assert [r[0] for r in decode_parts.chosen(rows, ("gather", "screen"))] == ["screen", "gather"]
@@ -503,13 +526,15 @@ def _stale_batch(N, K, interpret, seed=4):
     w = jnp.asarray(rng.normal(size=(B, 1, H)), jnp.float32)
     lengths = jnp.array([N - 112, N, N - 179], jnp.int32)
     cfg = dosa_jax.Config(top_k=K, capacity=3 * K)
-    di, ds = _dense_per_sequence(q, k, w, s, lengths, cfg.replace(backend="pallas"))
+    di, ds = jax.jit(lambda *a: _dense_per_sequence(*a, cfg.replace(backend="pallas")))(
+        q, k, w, s, lengths)
     last = jnp.concatenate([jnp.asarray(np.asarray(di[:, 0]), jnp.int32),
                             jnp.full((B, 3 * K), -1, jnp.int32)], axis=1)
     stale = last.at[1].set(-1)
-    run = lambda ids: kd.decode_topk(q, k, w, ids, s, lengths, None, cfg, interpret=interpret,
-                                     splits=2)
-    mixed, certified = run(stale), run(last)
+    # one program, called with either set of witnesses
+    run = jax.jit(lambda ids, q, k, w, s, lengths: kd.decode_topk(
+        q, k, w, ids, s, lengths, None, cfg, interpret=interpret, splits=2))
+    mixed, certified = (run(ids, q, k, w, s, lengths) for ids in (stale, last))
     assert np.isneginf(np.asarray(mixed[2].tau_witness)[1]).all()
     assert np.isfinite(np.asarray(certified[2].tau_witness)).all()
     assert int(np.asarray(mixed[2].overflow)[1].sum()) == 1
