@@ -88,6 +88,8 @@ def screen_key_tile(H: int) -> int:
     """Keys per screen tile at H heads (one query slot: a [BK, H] float32 accumulator over
     :data:`SCREEN_WARPS` warps, 64 registers a thread at 128 keys and H = 32)."""
     return 128 if H <= 32 else 64
+
+
 #: Programs wanted per step (≈ 4 per SM of an H200's 132) when choosing the key splits.
 PROGRAMS = 528
 #: The screen's programs wanted per step and its most splits per sequence: its buffers hold
@@ -570,9 +572,9 @@ def screen_records(prep: Prepared, q, w, theta, lengths, K: int, *, splits=None,
     a buffer overflowed. ``key_tile`` (None: :func:`screen_key_tile`), ``warps``, ``stages``:
     the kernel's keys per tile, Triton warps and pipeline stages (defaults
     :data:`SCREEN_WARPS`, :data:`SCREEN_STAGES`; 0: the scan's, ``prep.tiles``); the bound
-    holds for any (its margin covers any scorer's MMA and summation order). ``ahead``: the key scales read a tile ahead, the weights once
-    (:func:`decode_scan`; False, a timing study: each tile's scales read in that tile —
-    the same records).
+    holds for any (its margin covers any scorer's MMA and summation order). ``ahead``: the
+    key scales read a tile ahead, the weights once (:func:`decode_scan`; False, a timing
+    study: each tile's scales read in that tile — the same records).
 
     ``mma``: the operand type of the screen's MMA. ``"auto"``: float16 for FP8 keys — each
     query row scaled by a power of two into float16 (:func:`scaled_f16_pieces`, its weights
