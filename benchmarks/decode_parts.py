@@ -39,7 +39,8 @@ of ``--repeats`` calls after warm-up):
 * ``screen BK=… warps=… stages=…``: the screen at other tiles, Triton warps and pipeline
   stages (the default: ``screen_key_tile`` and ``SCREEN_WARPS``, ``SCREEN_STAGES``); the
   ``warps`` study's grid, or the settings ``--screen-configs`` names (timed also with
-  ``--parts``, with their records per query);
+  ``--parts``, with their records per query); in interpret mode (no GPU) one program serves
+  every warps and stages setting of a tile, as the interpreter has neither;
 * ``overflow update``: the same from all records (``record_witnesses``, the overflow path);
 * ``records select``: the exact selection over all records of the real slots (the overflow
   fallback alone);
@@ -310,9 +311,15 @@ def run(domain: str, layer: int, H: int, N: int, B: int, K: int, repeats: int, o
                                                                   K))
     rk, ri, cnt, app = f_scan(q, w, k, s, theta, n)
 
+    programs = {}
+    interpreted = interpret_default()
+
     def screen_variant(**options):   # the screen kernel from those τ_w, at these options
-        return jax.jit(lambda q, w, k, s, theta, n: kd.screen_records(
-            prep(q, w, k, s), q, w, theta[::kd.SLOTS], n, K, **options))
+        if interpreted:   # the Pallas interpreter has no warps or stages: one program for all
+            options = {o: v for o, v in options.items() if o not in ("warps", "stages")}
+        return programs.setdefault(tuple(sorted(options.items())), jax.jit(
+            lambda q, w, k, s, theta, n: kd.screen_records(
+                prep(q, w, k, s), q, w, theta[::kd.SLOTS], n, K, **options)))
 
     f_screen = screen_variant()
     f_screened = jax.jit(lambda q, w, k, s, theta, wk, wids, n: kd.screened_step(
